@@ -1,0 +1,537 @@
+"""Tiered KV cache manager over the knowledge tree (RAGCache §5.1, Alg. 1, Fig. 8).
+
+Two tiers: ``device`` (a bounded arena of KV blocks, see :mod:`ragcache_backend.blocks`) and
+``host`` (a byte budget of host buffers). Which node lives where is decided by a replacement
+policy (:mod:`ragcache_backend.policy`, PGDSF by default) with one logical clock per tier:
+
+* Eviction from a tier (Alg. 1 EVICT_IN_GPU) pops the lowest-priority *leaf of that tier* (an
+  unlocked node with no child resident in the tier), sets ``clock = max(clock, priority)``
+  (eq. 2), and adds the parent to the candidates once it becomes such a leaf.
+* Swap out only once: the first device eviction of a node copies its KV to host; later device
+  evictions just free the blocks, since the host copy lives until evicted from host. If the host
+  cannot take the node (tier disabled, or full of locked data) the node and its host-only subtree
+  are dropped. A host eviction frees the host copy; a node resident nowhere leaves the tree.
+* Candidates live in one lazy min-heap per tier: an entry is pushed whenever a node may have
+  become a candidate or changed priority, and stale entries are skipped when popped, so an
+  eviction costs O(log n) per victim instead of a scan of the tree.
+* Invariants: a node's parent is in the same or a faster tier (device nodes are parents of host
+  nodes); no tier ever exceeds its budget; locked nodes (used by running requests) are never
+  evicted and always sit on device.
+
+This module never touches tensors: a :class:`KVMover` supplied by the runner copies KV between
+tiers. Not thread-safe by design: callers serialize access (one scheduler thread).
+
+Typical request flow: ``match`` -> ``acquire`` -> ``allocate`` blocks for the new segments ->
+prefill -> ``insert`` each new segment -> ``record_request`` -> ``release`` the path.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeAlias
+
+from ragcache_backend.blocks import BlockAllocator, blocks_for
+from ragcache_backend.errors import CacheBudgetError, InvalidRequestError
+from ragcache_backend.knowledge_tree import KnowledgeTree, Node, SegmentKey, TierName
+from ragcache_backend.policy import get_policy
+from ragcache_backend.profile import PrefillProfile
+
+__all__ = ["HostKV", "KVMover", "MatchResult", "AcquiredPrefix", "CacheStats", "TieredCache"]
+
+HostKV: TypeAlias = object
+"""Opaque handle to a node's KV in host memory, owned by the KVMover."""
+
+DEVICE, HOST = TierName.DEVICE, TierName.HOST
+
+
+class KVMover(Protocol):
+    """Copies KV between the device arena and host buffers (implemented by the runner)."""
+
+    def swap_out(self, blocks: Sequence[int], num_tokens: int) -> HostKV:
+        """Copy ``num_tokens`` tokens of KV from device ``blocks`` into a new host buffer."""
+        ...
+
+    def swap_in(self, host_kv: HostKV, blocks: Sequence[int]) -> None:
+        """Copy a host buffer back into the given device ``blocks``."""
+        ...
+
+    def host_nbytes(self, num_tokens: int) -> int:
+        """Bytes of host memory a buffer of ``num_tokens`` tokens of KV takes."""
+        ...
+
+    def free_host(self, host_kv: HostKV) -> None:
+        """Release a host buffer."""
+        ...
+
+
+@dataclass(slots=True, frozen=True)
+class MatchResult:
+    """Longest cached prefix of a request; read-only, pass it to ``acquire`` straight away."""
+
+    nodes: tuple[Node, ...]
+    tiers: tuple[TierName, ...]  # fastest tier each node was found in
+    cached_tokens: int
+
+
+@dataclass(slots=True)
+class AcquiredPrefix:
+    """A locked prefix, all on device. ``blocks[i]`` are the device block ids of ``nodes[i]``."""
+
+    nodes: tuple[Node, ...]
+    blocks: tuple[tuple[int, ...], ...]
+    device_hits: int  # nodes already on device
+    host_hits: int  # nodes swapped in from host
+    cached_tokens: int
+
+
+@dataclass(slots=True)
+class CacheStats:
+    """Counters since construction (nodes unless stated)."""
+
+    device_hits: int = 0
+    host_hits: int = 0
+    misses: int = 0  # nodes computed (record_request)
+    swap_outs: int = 0  # device -> host copies
+    device_frees_without_copy: int = 0  # device evictions of nodes already on host
+    device_evictions: int = 0
+    host_evictions: int = 0
+    dropped_nodes: int = 0  # removed from the cache because the host could not take them
+    swap_ins: int = 0  # host -> device copies
+
+
+class TieredCache:
+    """The knowledge-tree cache manager over a device block arena and a host byte budget.
+
+    Args:
+        num_device_blocks: device arena capacity, in blocks (>= 1).
+        block_size: tokens per block (>= 1); every node owns ``ceil(num_tokens / block_size)``.
+        host_budget_bytes: host tier budget in bytes; 0 disables the host tier (device only).
+        mover: copies KV between tiers.
+        policy: a name from ``policy.POLICIES``.
+        profile: prefill profile for eq. 3's cost; required by ``pgdsf``.
+
+    Not thread-safe: callers serialize access.
+    """
+
+    def __init__(
+        self,
+        num_device_blocks: int,
+        block_size: int,
+        host_budget_bytes: int,
+        mover: KVMover,
+        *,
+        policy: str = "pgdsf",
+        profile: PrefillProfile | None = None,
+    ) -> None:
+        if num_device_blocks < 1:
+            raise InvalidRequestError(f"num_device_blocks must be >= 1, got {num_device_blocks}")
+        if block_size < 1:
+            raise InvalidRequestError(f"block_size must be >= 1 token, got {block_size}")
+        if host_budget_bytes < 0:
+            raise InvalidRequestError(f"host_budget_bytes must be >= 0, got {host_budget_bytes}")
+        self._policy = get_policy(policy)
+        if policy == "pgdsf" and profile is None:
+            raise InvalidRequestError("policy 'pgdsf' needs a PrefillProfile (eq. 3 cost estimate)")
+        self.policy_name = policy
+        self.block_size = block_size
+        self.host_budget_bytes = host_budget_bytes
+        self.stats = CacheStats()
+        self._mover = mover
+        self._profile = profile
+        self._tree = KnowledgeTree()
+        self._alloc = BlockAllocator(num_device_blocks)
+        self._host_used = 0
+        self._clock: dict[TierName, float] = {DEVICE: 0.0, HOST: 0.0}
+        self._access = 0
+        self._request_blocks: set[int] = set()
+        self._locked: set[Node] = set()  # nodes with lock_ref > 0
+        self._heaps: dict[TierName, list[tuple[float, int, int, Node]]] = {DEVICE: [], HOST: []}
+
+    # ----------------------------------------------------------------- read-only views
+    @property
+    def tree(self) -> KnowledgeTree:
+        return self._tree
+
+    @property
+    def num_device_blocks(self) -> int:
+        return self._alloc.num_blocks
+
+    @property
+    def device_used_blocks(self) -> int:
+        """Blocks held by nodes and by running requests."""
+        return self._alloc.num_used
+
+    @property
+    def host_used_bytes(self) -> int:
+        return self._host_used
+
+    def clock(self, tier: TierName) -> float:
+        """The tier's logical clock (eq. 2); starts at 0."""
+        return self._clock[TierName(tier)]
+
+    # ----------------------------------------------------------------- request API
+    def match(self, keys: Sequence[SegmentKey]) -> MatchResult:
+        """Longest resident prefix of ``keys`` (O(depth)); changes nothing."""
+        nodes = tuple(self._tree.match_prefix(keys))
+        return MatchResult(nodes, tuple(n.tiers[0] for n in nodes), sum(n.num_tokens for n in nodes))
+
+    def acquire(self, match: MatchResult) -> AcquiredPrefix:
+        """Lock the matched prefix and bring it all to device; never raises for lack of room.
+
+        Host-only nodes are swapped in (keeping their host copy). If one cannot get device blocks
+        because locked data fills the arena, the prefix is truncated before it and the rest is
+        unlocked (the caller recomputes it).
+        """
+        nodes: list[Node] = []
+        parent = self._tree.root
+        for n in match.nodes:  # a stale match is cut where it stopped being valid
+            if n.parent is not parent or parent.children.get(n.key) is not n or not n.resident:
+                break
+            nodes.append(n)
+            parent = n
+        for n in nodes:
+            self._lock(n)  # lock first: swap-in evictions must not touch the path
+        device_hits = host_hits = 0
+        for idx, n in enumerate(nodes):
+            if n.in_device:
+                device_hits += 1
+                continue
+            need = blocks_for(n.num_tokens, self.block_size)
+            if not self._make_device_room(need):
+                for m in nodes[idx:]:
+                    self._unlock(m)
+                del nodes[idx:]
+                break
+            blocks = self._alloc.allocate(need)
+            try:
+                self._mover.swap_in(n.host_kv, blocks)
+            except BaseException:
+                self._alloc.free(blocks)
+                for m in nodes:
+                    self._unlock(m)
+                raise
+            n.device_blocks = blocks
+            self._set_priority(n, DEVICE)
+            host_hits += 1
+        self.stats.device_hits += device_hits
+        self.stats.host_hits += host_hits
+        self.stats.swap_ins += host_hits
+        return AcquiredPrefix(
+            nodes=tuple(nodes),
+            blocks=tuple(tuple(n.device_blocks or ()) for n in nodes),
+            device_hits=device_hits,
+            host_hits=host_hits,
+            cached_tokens=sum(n.num_tokens for n in nodes),
+        )
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Blocks owned by the caller's request, evicting unlocked device leaves as needed."""
+        if num_blocks < 0:
+            raise InvalidRequestError(f"cannot allocate a negative number of blocks ({num_blocks})")
+        cap = self._alloc.num_blocks
+        if num_blocks > cap:
+            raise CacheBudgetError(
+                f"need {num_blocks} device blocks ({num_blocks * self.block_size} tokens) but the "
+                f"device arena holds only {cap} blocks; raise the device budget"
+            )
+        if not self._make_device_room(num_blocks):
+            raise CacheBudgetError(
+                f"need {num_blocks} device blocks but only {self._alloc.num_free} of {cap} are free "
+                f"and {self._evictable_device_blocks()} more can be evicted (the rest is held by "
+                f"locked nodes and running requests); raise the device budget or lower concurrency"
+            )
+        blocks = self._alloc.allocate(num_blocks)
+        self._request_blocks.update(blocks)
+        return blocks
+
+    def free(self, blocks: Sequence[int]) -> None:
+        """Return request-owned blocks (from ``allocate``, not given to ``insert``)."""
+        ids = list(blocks)
+        foreign = [b for b in ids if b not in self._request_blocks]
+        if foreign:
+            raise InvalidRequestError(f"blocks {foreign} are not owned by a request")
+        self._alloc.free(ids)  # also rejects duplicates
+        self._request_blocks.difference_update(ids)
+
+    def insert(
+        self, parent: Node | None, key: SegmentKey, num_tokens: int, blocks: Sequence[int]
+    ) -> Node:
+        """Make ``blocks`` (from ``allocate``) the device KV of segment ``key`` under ``parent``.
+
+        ``parent`` None means the root; otherwise it must be on device (acquired or just
+        inserted). Returns the node locked for the caller (lock_ref += 1). If ``key`` is already
+        a child on device, the given blocks are freed and the existing node is returned; if it is
+        a host-only child, the blocks become its device copy (no swap-in needed).
+        """
+        parent = self._tree.root if parent is None else parent
+        if not self._tree.contains(parent):
+            raise InvalidRequestError(f"parent {parent!r} is not in the knowledge tree")
+        if not parent.is_root and not parent.in_device:
+            raise InvalidRequestError(f"parent {parent!r} is not on device; acquire it first")
+        if num_tokens < 1:
+            raise InvalidRequestError(f"a segment needs >= 1 token, got {num_tokens}")
+        ids = list(blocks)
+        need = blocks_for(num_tokens, self.block_size)
+        if len(ids) != need:
+            raise InvalidRequestError(f"{num_tokens} tokens need {need} blocks, got {len(ids)}")
+        if len(set(ids)) != len(ids) or not self._request_blocks.issuperset(ids):
+            raise InvalidRequestError(f"blocks {ids} are not distinct blocks owned by a request")
+        node = parent.children.get(key)
+        if node is not None and node.in_device:
+            self.free(ids)
+            self._lock(node)
+            return node
+        if node is None:
+            node = self._tree.add_child(parent, key, num_tokens)
+        self._lock(node)
+        self._request_blocks.difference_update(ids)
+        node.device_blocks = ids
+        self._set_priority(node, DEVICE)
+        return node
+
+    def release(self, nodes: Sequence[Node]) -> None:
+        """Unlock ``nodes`` (lock_ref -= 1 each); all-or-nothing."""
+        for node, times in Counter(nodes).items():
+            if node.lock_ref < times:
+                raise InvalidRequestError(f"{node!r} released more often than it was locked")
+        for node in nodes:
+            self._unlock(node)
+
+    def record_request(
+        self, path: Sequence[Node], computed: Sequence[bool], alpha: int, beta: int
+    ) -> None:
+        """Alg. 1 UPDATE_NODE for every node on a finished request's path.
+
+        ``alpha``/``beta`` are the request's cached / non-cached token counts; ``computed[i]``
+        says whether ``path[i]`` had to be computed (then its cost ``T(alpha, beta) / beta``
+        seconds per token joins eq. 3's average).
+        """
+        if len(path) != len(computed):
+            raise InvalidRequestError(f"{len(path)} nodes but {len(computed)} computed flags")
+        if alpha < 0 or beta < 0 or (any(computed) and beta < 1):
+            raise InvalidRequestError(f"bad token counts alpha={alpha}, beta={beta}")
+        self._access += 1
+        per_token = None
+        if any(computed) and self._profile is not None:
+            per_token = self._profile.estimate(alpha, beta) / beta  # Alg. 1 lines 6-10
+        for node, was_computed in zip(path, computed):
+            node.frequency += 1
+            node.last_access = self._access
+            if was_computed:
+                node.num_computed += 1
+                self.stats.misses += 1
+                if per_token is not None:
+                    node.total_cost += per_token
+            for tier in node.tiers:
+                self._set_priority(node, tier)  # Alg. 1 line 13
+
+    def clear(self) -> None:
+        """Drop every node not needed by a locked node (locked nodes and their ancestors stay)."""
+        order = list(self._tree)
+        keep: set[Node] = set()
+        for n in reversed(order):
+            if n.lock_ref > 0 or any(c in keep for c in n.children.values()):
+                keep.add(n)
+        for n in order:  # parents first; descendants of a dropped node have parent None
+            if n not in keep and n.parent is not None:
+                parent = n.parent
+                for m in self._tree.remove(n):
+                    self._free_kv(m)
+                self._refresh(parent)
+
+    # ----------------------------------------------------------------- eviction (Alg. 1)
+    def _lock(self, n: Node) -> None:
+        n.lock_ref += 1
+        self._locked.add(n)
+
+    def _unlock(self, n: Node) -> None:
+        n.lock_ref -= 1
+        if n.lock_ref == 0:
+            self._locked.discard(n)
+            self._refresh(n)
+
+    def _set_priority(self, node: Node, tier: TierName) -> None:
+        node.priority[tier] = self._policy(node.stats(), self._clock[tier])
+        self._push_if_candidate(node, tier)
+
+    @staticmethod
+    def _is_candidate(n: Node, tier: TierName) -> bool:
+        """Alg. 1 line 17: an unlocked node of the tier with no child in that tier (a host copy
+        of a node also on device can always go; a host-only node needs no resident child)."""
+        if n.lock_ref or n.is_root:
+            return False
+        if tier is DEVICE:
+            return n.in_device and not any(c.in_device for c in n.children.values())
+        return n.in_host and (n.in_device or not any(c.resident for c in n.children.values()))
+
+    def _push_if_candidate(self, n: Node, tier: TierName) -> None:
+        if self._is_candidate(n, tier):
+            heap = self._heaps[tier]
+            heapq.heappush(heap, (n.priority[tier], n.last_access, n.serial, n))
+            if len(heap) > 2 * len(self._tree) + 64:  # too many stale entries: compact
+                live = {e[3]: e for e in heap if self._is_live(e, tier)}
+                self._heaps[tier] = heap = list(live.values())
+                heapq.heapify(heap)
+
+    def _refresh(self, n: Node) -> None:
+        """Called when ``n`` may have become a candidate (unlocked, lost a child)."""
+        for tier in n.tiers:
+            self._push_if_candidate(n, tier)
+
+    def _is_live(self, entry: tuple[float, int, int, Node], tier: TierName) -> bool:
+        prio, last, _, n = entry
+        return self._is_candidate(n, tier) and n.priority[tier] == prio and n.last_access == last
+
+    def _pop_victim(self, tier: TierName) -> Node:
+        heap = self._heaps[tier]
+        while heap:
+            entry = heapq.heappop(heap)
+            if self._is_live(entry, tier):
+                return entry[3]
+        raise AssertionError(f"{tier} eviction ran out of candidates (budget pre-check is wrong)")
+
+    def _evictable_device_blocks(self) -> int:
+        """Node blocks not pinned by a lock (locked nodes and their ancestors stay)."""
+        pinned: set[Node] = set()
+        pinned_blocks = 0
+        for n in self._locked:
+            m: Node | None = n
+            while m is not None and not m.is_root and m not in pinned:
+                pinned.add(m)
+                pinned_blocks += len(m.device_blocks or ())
+                m = m.parent
+        return self._alloc.num_used - len(self._request_blocks) - pinned_blocks
+
+    def _make_device_room(self, num_blocks: int) -> bool:
+        short = num_blocks - self._alloc.num_free
+        if short <= 0:
+            return True
+        if short > self._evictable_device_blocks():
+            return False  # checked first so that a failure evicts nothing
+        while self._alloc.num_free < num_blocks:  # Alg. 1 line 18
+            n = self._pop_victim(DEVICE)  # line 19
+            self._clock[DEVICE] = max(self._clock[DEVICE], n.priority[DEVICE])  # eq. 2, line 21
+            parent = n.parent
+            self._evict_from_device(n)
+            if parent is not None:
+                self._refresh(parent)  # lines 22-23: a parent that became a leaf joins
+        return True
+
+    def _evict_from_device(self, n: Node) -> None:
+        self.stats.device_evictions += 1
+        if n.in_host:
+            self.stats.device_frees_without_copy += 1  # swap out only once
+        elif not self._swap_out(n):
+            removed = self._tree.remove(n)
+            for m in removed:
+                assert m.lock_ref == 0, f"dropping locked {m!r}"
+                self._free_kv(m)
+            self.stats.dropped_nodes += len(removed)
+            return
+        self._alloc.free(n.device_blocks or ())
+        n.device_blocks = None
+        del n.priority[DEVICE]
+
+    def _swap_out(self, n: Node) -> bool:
+        """Copy ``n``'s KV to host, making room there; False if the host cannot take it."""
+        if self.host_budget_bytes == 0:
+            return False
+        nbytes = self._mover.host_nbytes(n.num_tokens)
+        short = nbytes - (self.host_budget_bytes - self._host_used)
+        if short > 0:
+            locked = sum(self._mover.host_nbytes(m.num_tokens) for m in self._locked if m.in_host)
+            if short > self._host_used - locked:
+                return False
+            self._evict_host(nbytes)
+        n.host_kv = self._mover.swap_out(n.device_blocks or (), n.num_tokens)
+        self._host_used += nbytes
+        self.stats.swap_outs += 1
+        self._set_priority(n, HOST)
+        return True
+
+    def _evict_host(self, nbytes: int) -> None:
+        """Host-tier eviction until ``nbytes`` are free (caller checked it is possible)."""
+        while self.host_budget_bytes - self._host_used < nbytes:
+            m = self._pop_victim(HOST)
+            self._clock[HOST] = max(self._clock[HOST], m.priority[HOST])  # eq. 2
+            parent = m.parent
+            self._free_host_copy(m)
+            self.stats.host_evictions += 1
+            if not m.in_device:
+                self._tree.remove(m)  # resident nowhere; a candidate has no resident child
+            if parent is not None:
+                self._refresh(parent)
+
+    def _free_host_copy(self, m: Node) -> None:
+        self._mover.free_host(m.host_kv)
+        self._host_used -= self._mover.host_nbytes(m.num_tokens)
+        m.host_kv = None
+        m.priority.pop(HOST, None)
+
+    def _free_kv(self, m: Node) -> None:
+        if m.device_blocks is not None:
+            self._alloc.free(m.device_blocks)
+            m.device_blocks = None
+        if m.host_kv is not None:
+            self._free_host_copy(m)
+        m.priority.clear()
+
+    # ----------------------------------------------------------------- checks
+    def check_invariants(self) -> None:
+        """Raise AssertionError describing every broken invariant (for tests)."""
+        problems: list[str] = []
+        node_blocks: set[int] = set()
+        host_bytes = count = 0
+        candidates: dict[TierName, set[Node]] = {DEVICE: set(), HOST: set()}
+        root = self._tree.root
+        if root.resident or root.lock_ref or root.parent is not None:
+            problems.append("root holds KV, a lock or a parent")
+        for n in self._tree:
+            count += 1
+            p = n.parent
+            if p is None or p.children.get(n.key) is not n:  # type: ignore[arg-type]
+                problems.append(f"{n!r}: broken parent link")
+                continue
+            if not n.resident:
+                problems.append(f"{n!r}: in the tree but resident nowhere")
+            if n.lock_ref < 0 or (n.lock_ref and not n.in_device):
+                problems.append(f"{n!r}: bad lock (locked nodes must be on device)")
+            if n.in_device and not p.is_root and not p.in_device:
+                problems.append(f"{n!r}: on device but parent {p!r} is not")
+            if n.resident and not p.is_root and not p.resident:
+                problems.append(f"{n!r}: resident but parent {p!r} is not")
+            if set(n.priority) != set(n.tiers):
+                problems.append(f"{n!r}: priorities for {sorted(n.priority)} but tiers {n.tiers}")
+            if n.device_blocks is not None:
+                if len(n.device_blocks) != blocks_for(n.num_tokens, self.block_size):
+                    problems.append(f"{n!r}: {len(n.device_blocks)} blocks for {n.num_tokens} tokens")
+                dup = node_blocks.intersection(n.device_blocks)
+                if dup or len(set(n.device_blocks)) != len(n.device_blocks):
+                    problems.append(f"{n!r}: blocks {sorted(dup)} shared")
+                node_blocks.update(n.device_blocks)
+            if n.host_kv is not None:
+                host_bytes += self._mover.host_nbytes(n.num_tokens)
+            for tier in n.tiers:
+                if self._is_candidate(n, tier):
+                    candidates[tier].add(n)
+        for tier, nodes in candidates.items():
+            live = {e[3] for e in self._heaps[tier] if self._is_live(e, tier)}
+            if nodes - live:
+                problems.append(f"{tier} candidates missing from the heap: {nodes - live}")
+        if self._locked != {n for n in self._tree if n.lock_ref}:
+            problems.append("locked-node set out of sync with lock_ref")
+        if count != len(self._tree):
+            problems.append(f"tree counts {len(self._tree)} nodes, iteration finds {count}")
+        if node_blocks & self._request_blocks:
+            problems.append(f"blocks owned by both nodes and requests: {node_blocks & self._request_blocks}")
+        if node_blocks | self._request_blocks != self._alloc.used_blocks():
+            problems.append("allocator's used blocks differ from node + request blocks")
+        if host_bytes != self._host_used:
+            problems.append(f"host bytes counted {self._host_used}, nodes hold {host_bytes}")
+        if self._host_used > self.host_budget_bytes:
+            problems.append(f"host over budget: {self._host_used} > {self.host_budget_bytes} bytes")
+        if problems:
+            raise AssertionError("; ".join(problems))
