@@ -1,0 +1,73 @@
+"""Attention of new queries over gathered (paged) KV.
+
+RAGCache §5.1 prefills the non-cached suffix of a request on top of the cached prefix KV: the new
+queries sit at the *end* of the context, so the causal mask is offset by the cached length (PyTorch's
+``is_causal`` aligns the mask top-left when query and key lengths differ, which would be wrong).
+An arbitrary boolean mask is accepted too (selective recomputation, Cache-Craft §3.2).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def prefix_causal_mask(num_new: int, num_ctx: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Boolean mask ``[num_new, num_ctx]``: new query ``i`` (at context position ``num_ctx - num_new + i``)
+    may attend to keys ``0 .. num_ctx - num_new + i``.
+
+    Raises:
+        ValueError: if ``num_new > num_ctx`` or either is below 1.
+    """
+    if num_new < 1 or num_ctx < num_new:
+        raise ValueError(f"prefix_causal_mask: need 1 <= num_new <= num_ctx, got {num_new}, {num_ctx}")
+    offset = num_ctx - num_new
+    rows = torch.arange(num_new, device=device)[:, None] + offset
+    cols = torch.arange(num_ctx, device=device)[None, :]
+    return cols <= rows
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Grouped-query attention of ``T`` new queries over ``S`` context keys.
+
+    The default mask is causal with the new queries at the end of the context
+    (see :func:`prefix_causal_mask`); with ``T == S`` that is ordinary causal attention and with
+    ``T == 1`` (decode) no mask is needed.
+
+    Args:
+        q: ``[T, Hq, D]`` queries (RoPE applied).
+        k: ``[S, Hkv, D]`` keys, ``v``: ``[S, Hkv, D]`` values; ``Hq`` must be a multiple of ``Hkv``.
+        scale: softmax scale (usually ``D ** -0.5``).
+        mask: optional ``[T, S]`` boolean mask (True = may attend). Every row needs one True.
+
+    Returns:
+        ``[T, Hq, D]`` attention output in ``q``'s dtype.
+
+    Raises:
+        ValueError: on shape mismatch.
+    """
+    t, hq, d = q.shape
+    s, hkv, dk = k.shape
+    if dk != d or v.shape != k.shape or hq % hkv != 0 or t > s:
+        raise ValueError(f"attention: bad shapes q={tuple(q.shape)} k={tuple(k.shape)} v={tuple(v.shape)}")
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, T, D]
+    kh = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
+    vh = v.transpose(0, 1).unsqueeze(0)
+    gqa = hq != hkv
+    if mask is not None:
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    elif t == s:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+    elif t == 1:
+        out = F.scaled_dot_product_attention(qh, kh, vh, scale=scale, enable_gqa=gqa)
+    else:
+        m = prefix_causal_mask(t, s, device=q.device)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=m, scale=scale, enable_gqa=gqa)
+    return out.squeeze(0).transpose(0, 1)  # [T, Hq, D]

