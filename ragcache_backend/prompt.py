@@ -1,0 +1,143 @@
+"""Prompt assembly as a list of segments (RAGCache §5.1, SPEC §2 "prompt assembly").
+
+A request's prompt is ``[prefix, document_1, ..., document_k, tail]``:
+
+* **prefix** = the chat template's opening, the system prompt and the start of the user turn;
+  it is the first level of the knowledge tree (the system-prompt node);
+* each **document** is tokenised on its own, so its token ids, and so its KV boundaries, are the
+  same wherever it appears; it becomes one node per distinct path;
+* the **tail** = the question and the template's closing (``assistant`` turn start); it is never
+  cached.
+
+Text that comes from users (system prompt, documents, question) is tokenised with special-token
+parsing *off*: a document containing ``<|im_end|>`` gets the plain-text tokens of that string,
+never the control token. Only the chat template's own pieces may produce control tokens.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ragcache_backend.errors import EmptyQueryError, InvalidRequestError
+from ragcache_backend.knowledge_tree import SegmentKey
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a helpful assistant. Answer the question using the documents in the user's message. "
+    "Be concise."
+)
+_SYS, _CTX, _Q = "\x00RAGCACHE_SYS\x00", "\x00RAGCACHE_CTX\x00", "\x00RAGCACHE_Q\x00"
+
+
+class SegmentKind(str, enum.Enum):
+    """What a segment holds."""
+
+    PREFIX = "prefix"
+    DOCUMENT = "document"
+    TEXT = "text"
+    TAIL = "tail"
+
+
+def segment_key(token_ids: Sequence[int]) -> SegmentKey:
+    """Content hash of a segment's token ids (32 hex chars): the knowledge-tree child key."""
+    digest = hashlib.sha256(b"ragcache-seg-v1")
+    digest.update(",".join(map(str, token_ids)).encode())
+    return SegmentKey(digest.hexdigest()[:32])
+
+
+@dataclass(slots=True, frozen=True)
+class Segment:
+    """A run of prompt tokens with one identity.
+
+    Attributes:
+        token_ids: the tokens (non-empty).
+        kind: prefix, document, free text or tail.
+        cacheable: True when its KV may be stored in (and served from) the knowledge tree. Only a
+            leading run of cacheable segments is ever served from the tree.
+        doc_id: the document's content-hash id, for document segments.
+        key: content hash of ``token_ids`` (computed).
+    """
+
+    token_ids: tuple[int, ...]
+    kind: SegmentKind
+    cacheable: bool
+    doc_id: str | None = None
+    key: SegmentKey = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            raise InvalidRequestError(f"empty {self.kind.value} segment")
+        object.__setattr__(self, "key", segment_key(self.token_ids))
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+class PromptBuilder:
+    """Turns ``(system prompt, documents, question)`` into segments with the model's chat template.
+
+    Args:
+        tokenizer: a transformers tokenizer. With a chat template, the template is rendered once
+            with placeholder markers and split into its fixed pieces; without one, a plain
+            ``system / documents / Question: ... Answer:`` layout is used.
+        system_prompt: the system message (plain text).
+    """
+
+    def __init__(self, tokenizer, system_prompt: str = DEFAULT_SYSTEM_PROMPT) -> None:
+        self.tokenizer = tokenizer
+        self.system_prompt = system_prompt
+        self._head, self._mid, self._between, self._end = self._template_pieces()
+        self._prefix = self._make_prefix()
+
+    def _template_pieces(self) -> tuple[str, str, str, str]:
+        if getattr(self.tokenizer, "chat_template", None):
+            msgs = [{"role": "system", "content": _SYS}, {"role": "user", "content": _CTX + _Q}]
+            text = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            head, rest = text.split(_SYS, 1)
+            mid, rest = rest.split(_CTX, 1)
+            between, end = rest.split(_Q, 1)
+            return head, mid, between, end
+        return "", "\n\n", "", "\nAnswer:"
+
+    def encode_text(self, text: str) -> tuple[int, ...]:
+        """Token ids of user-supplied text, special-token strings treated as plain text."""
+        if not text:
+            return ()
+        return tuple(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
+    def encode_template(self, text: str) -> tuple[int, ...]:
+        """Token ids of a chat-template piece (its control tokens are parsed as such)."""
+        if not text:
+            return ()
+        return tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _make_prefix(self) -> Segment:
+        ids = self.encode_template(self._head) + self.encode_text(self.system_prompt) + self.encode_template(self._mid)
+        return Segment(ids, SegmentKind.PREFIX, cacheable=True)
+
+    @property
+    def prefix(self) -> Segment:
+        """The system-prompt segment (first level of the knowledge tree)."""
+        return self._prefix
+
+    def document(self, text: str, doc_id: str | None = None) -> Segment:
+        """A document segment: the stripped text followed by a blank line."""
+        body = text.strip()
+        if not body:
+            raise InvalidRequestError(f"document {doc_id or ''} is empty")
+        return Segment(self.encode_text(body + "\n\n"), SegmentKind.DOCUMENT, cacheable=True, doc_id=doc_id)
+
+    def tail(self, question: str) -> Segment:
+        """The question and the template's closing; raises EmptyQueryError for a blank question."""
+        q = question.strip()
+        if not q:
+            raise EmptyQueryError("the question is empty")
+        ids = self.encode_template(self._between) + self.encode_text(f"Question: {q}") + self.encode_template(self._end)
+        return Segment(ids, SegmentKind.TAIL, cacheable=False)
+
+    def build(self, question: str, documents: Sequence[tuple[str, str | None]]) -> list[Segment]:
+        """Segments for a RAG request: prefix, one per ``(text, doc_id)`` in retrieval order, tail."""
+        tail = self.tail(question)
+        return [self._prefix, *(self.document(t, d) for t, d in documents), tail]
