@@ -44,6 +44,16 @@ def _user_errors() -> Iterator[None]:
         raise typer.Exit(130) from None
 
 
+def _precheck(corpus: Optional[Path], model: Optional[str]) -> None:
+    """Cheap checks before minutes of indexing or seconds of model loading."""
+    from ragcache_backend.errors import CorpusError, ModelLoadError
+
+    if corpus is not None and not corpus.is_dir():
+        raise CorpusError(f"corpus folder does not exist: {corpus}")
+    if model is not None and not Path(model).expanduser().exists():
+        raise ModelLoadError(f"model path does not exist: {model}")
+
+
 def _engine(model: Optional[str], dtype: str, threads: int, policy: str = "pgdsf", store=None):
     from ragcache_backend.config import EngineConfig
     from ragcache_backend.engine import RAGCacheEngine
@@ -103,6 +113,7 @@ def ask(
             from ragcache_backend.errors import UnknownPolicyError
 
             raise UnknownPolicyError(f"unknown policy {policy!r}; choose pgdsf, gdsf, lru or lfu")
+        _precheck(corpus, model)
         store = _store(corpus)
         engine = _engine(model, dtype, threads, policy, store)
         hits = store.search(question, k)
@@ -142,6 +153,7 @@ def demo(
         from ragcache_backend.datasets import faq_questions, python_docs_dir
         from ragcache_backend.demo import run_demo, write_report
 
+        _precheck(corpus, model)
         docs_root = python_docs_dir()
         store = _store(corpus)
         engine = _engine(model, dtype, threads, store=store)
