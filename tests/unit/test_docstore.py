@@ -1,0 +1,296 @@
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ragcache_backend.docstore import (
+    DocumentStore,
+    IndexKind,
+    build_index,
+    corpus_fingerprint,
+    default_store_dir,
+)
+from ragcache_backend.documents import Document
+from ragcache_backend.embedder import Embedder
+from ragcache_backend.errors import CorpusError, CorruptFileError, EmptyQueryError, InvalidRequestError
+
+TOPICS = {
+    "sorting": "To sort a list in place call list.sort(); sorted() returns a new sorted list. "
+               "Pass key= to order by a computed value and reverse=True for descending order.",
+    "files": "Open a file with open(path, 'r') inside a with statement so it is closed; "
+             "read() returns the whole content and readline() one line at a time.",
+    "regex": "The re module provides regular expressions: re.search finds a pattern anywhere "
+             "in a string and re.sub replaces every match with a replacement text.",
+    "threads": "The threading module runs functions concurrently in threads; use a Lock to "
+               "protect shared state and join() to wait for a thread to finish.",
+    "http": "urllib.request.urlopen fetches a web page over HTTP; the response object has "
+            "read() for the body and a status attribute with the HTTP status code.",
+    "decimal": "The decimal module gives exact decimal arithmetic for money, avoiding the "
+               "binary floating point rounding errors of float such as 0.1 + 0.2.",
+}
+ADJECTIVES = ["red", "quiet", "ancient", "rapid", "hollow", "bright", "frozen", "gentle", "heavy", "wild"]
+NOUNS = ["river", "engine", "violin", "glacier", "market", "falcon", "lantern", "orchard", "tower", "comet"]
+PLACES = ["harbour", "desert", "library", "station", "valley", "island"]
+
+
+def _doc(text: str, title: str = "t") -> Document:
+    return Document.from_text(text, source=f"{title}.txt", title=title)
+
+
+def _synthetic(n: int) -> list[Document]:
+    return [_doc(f"Note {i}: the {ADJECTIVES[i % 10]} {NOUNS[i // 10 % 10]} was seen near the "
+                 f"{PLACES[i % 6]} on day {i % 29}.", f"n{i}") for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def embedder() -> Embedder:
+    return Embedder(device="cpu")
+
+
+@pytest.fixture(scope="module")
+def store(embedder: Embedder) -> DocumentStore:
+    return DocumentStore.build([_doc(text, title) for title, text in TOPICS.items()], embedder,
+                               progress=False)
+
+
+@pytest.fixture(scope="module")
+def ivf_store(embedder: Embedder) -> DocumentStore:
+    return DocumentStore.build(_synthetic(300), embedder, progress=False, ivf_min_docs=100)
+
+
+@pytest.fixture(scope="module")
+def saved(store: DocumentStore, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("saved")
+    store.save(directory, corpus_fingerprint="abc")
+    return directory
+
+
+def _ids(results: list) -> list[str]:
+    return [r.document.doc_id for r in results]
+
+
+def test_embedder_vectors_are_normalised_float32(embedder: Embedder) -> None:
+    vectors = embedder.embed(["one text", "another text"])
+    assert vectors.shape == (2, embedder.dim) == (2, 384) and vectors.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    assert embedder.embed([]).shape == (0, 384)
+    assert embedder.embed_query("one text").shape == (384,)
+    with pytest.raises(EmptyQueryError):
+        embedder.embed_query("  \n")
+
+
+@pytest.mark.parametrize(("query", "title"), [
+    ("How can I put the items of a sequence in ascending order?", "sorting"),
+    ("pattern matching and substitution in strings", "regex"),
+    ("download the contents of a URL", "http"),
+    ("why is 0.1 plus 0.2 not exactly 0.3 and how do I compute currency amounts", "decimal"),
+])
+def test_relevant_document_ranks_first(store: DocumentStore, query: str, title: str) -> None:
+    results = store.search(query, 3)
+    assert results[0].document.title == title
+    assert [r.rank for r in results] == [0, 1, 2]
+    assert results[0].score > results[1].score >= results[2].score
+
+
+def test_lookup_and_container_protocol(store: DocumentStore) -> None:
+    assert len(store) == len(TOPICS) and store.index_kind is IndexKind.FLAT and store.nprobe is None
+    first = store.documents[0]
+    assert first.title == "sorting" and first.doc_id in store and store.get(first.doc_id) == first
+    assert "0000000000000000" not in store
+    with pytest.raises(KeyError):
+        store.get("0000000000000000")
+
+
+def test_k_is_clamped_and_validated(store: DocumentStore) -> None:
+    assert len(store.search("threads", 100)) == len(TOPICS)
+    for bad_k in (0, -1, True, 1.5):
+        with pytest.raises(InvalidRequestError):
+            store.search("threads", bad_k)  # type: ignore[arg-type]
+    for blank in ("", "   \t"):
+        with pytest.raises(EmptyQueryError):
+            store.search(blank, 2)
+        with pytest.raises(EmptyQueryError):
+            store.search_stages(blank, 2, 2)
+    with pytest.raises(InvalidRequestError):
+        store.search_stages("threads", 2, 0)
+
+
+def test_build_needs_documents(embedder: Embedder) -> None:
+    with pytest.raises(CorpusError):
+        DocumentStore.build([], embedder, progress=False)
+
+
+def test_flat_staged_search_ends_with_plain_search(store: DocumentStore) -> None:
+    for num_stages, expected in ((1, 1), (3, 3), (100, len(TOPICS))):
+        stages = list(store.search_stages("reading a text file line by line", 3, num_stages))
+        assert len(stages) == expected
+        assert stages[-1] == store.search("reading a text file line by line", 3)
+
+
+def test_ivf_index_parameters(ivf_store: DocumentStore) -> None:
+    nlist = round(4 * math.sqrt(300))
+    assert ivf_store.index_kind is IndexKind.IVF and len(ivf_store) == 300
+    assert ivf_store.nprobe == math.ceil(nlist / 8)
+
+
+@pytest.mark.parametrize("query", ["a frozen glacier by the harbour", "Note 17", "bright comet day 3"])
+def test_ivf_staged_search_ends_with_plain_search(ivf_store: DocumentStore, query: str) -> None:
+    nprobe = ivf_store.nprobe
+    assert nprobe is not None
+    stages = list(ivf_store.search_stages(query, 5, 4))
+    assert len(stages) == 4
+    assert stages[-1] == ivf_store.search(query, 5)
+    kth_scores = [s[-1].score for s in stages if len(s) == 5]
+    assert kth_scores == sorted(kth_scores)  # the k-th best only improves stage after stage
+    assert len(list(ivf_store.search_stages(query, 5, 1000))) == nprobe
+
+
+def test_save_load_round_trip(store: DocumentStore, saved: Path, embedder: Embedder) -> None:
+    assert {p.name for p in saved.iterdir()} == {"manifest.json", "documents.jsonl", "index.faiss"}
+    loaded = DocumentStore.load(saved, embedder=embedder)
+    assert loaded.documents == store.documents and loaded.corpus_fingerprint == "abc"
+    for query in ("sort numbers", "locks and concurrency"):
+        assert loaded.search(query, 4) == store.search(query, 4)
+    manifest = json.loads((saved / "manifest.json").read_text())
+    assert manifest["count"] == len(TOPICS) and manifest["dim"] == 384
+    assert manifest["index_kind"] == "flat" and manifest["nprobe"] is None
+    assert set(manifest["files"]) == {"documents.jsonl", "index.faiss"}
+
+
+def test_ivf_round_trip(ivf_store: DocumentStore, tmp_path: Path, embedder: Embedder) -> None:
+    ivf_store.save(tmp_path)
+    loaded = DocumentStore.load(tmp_path, embedder=embedder)
+    assert loaded.index_kind is IndexKind.IVF and loaded.nprobe == ivf_store.nprobe
+    assert loaded.search("gentle falcon", 5) == ivf_store.search("gentle falcon", 5)
+    assert list(loaded.search_stages("gentle falcon", 5, 3))[-1] == ivf_store.search("gentle falcon", 5)
+
+
+def _rewrite_manifest(directory: Path, change: Callable[[dict], None]) -> None:
+    manifest = json.loads((directory / "manifest.json").read_text())
+    change(manifest)
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _resign(directory: Path, name: str, data: bytes) -> None:
+    """Replace a file and fix its checksum, to reach the checks behind the checksum."""
+    import hashlib
+
+    (directory / name).write_bytes(data)
+    _rewrite_manifest(directory, lambda m: m["files"][name].update(
+        sha256=hashlib.sha256(data).hexdigest(), bytes=len(data)))
+
+
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+CORRUPTIONS: dict[str, Callable[[Path], None]] = {
+    "missing manifest": lambda d: (d / "manifest.json").unlink(),
+    "missing documents": lambda d: (d / "documents.jsonl").unlink(),
+    "missing index": lambda d: (d / "index.faiss").unlink(),
+    "manifest not json": lambda d: (d / "manifest.json").write_text("{not json"),
+    "manifest truncated": lambda d: (d / "manifest.json").write_text(
+        (d / "manifest.json").read_text()[:40]),
+    "manifest wrong format": lambda d: _rewrite_manifest(d, lambda m: m.update(format="other")),
+    "manifest future version": lambda d: _rewrite_manifest(d, lambda m: m.update(format_version=99)),
+    "manifest count not int": lambda d: _rewrite_manifest(d, lambda m: m.update(count="6")),
+    "manifest lacks dim": lambda d: _rewrite_manifest(d, lambda m: m.pop("dim")),
+    "manifest lacks checksum": lambda d: _rewrite_manifest(d, lambda m: m["files"].pop("index.faiss")),
+    "documents truncated": lambda d: (d / "documents.jsonl").write_bytes(
+        (d / "documents.jsonl").read_bytes()[:-50]),
+    "documents byte flipped": lambda d: _flip_byte(d / "documents.jsonl"),
+    "index truncated": lambda d: (d / "index.faiss").write_bytes((d / "index.faiss").read_bytes()[:100]),
+    "index byte flipped": lambda d: _flip_byte(d / "index.faiss"),
+    "documents bad json (re-signed)": lambda d: _resign(d, "documents.jsonl", b"{oops\n"),
+    "doc_id not content hash (re-signed)": lambda d: _resign(d, "documents.jsonl", (
+        d / "documents.jsonl").read_bytes().replace(b"list.sort()", b"list.sort( )")),
+    "documents missing a row (re-signed)": lambda d: _resign(d, "documents.jsonl", b"".join(
+        (d / "documents.jsonl").read_bytes().splitlines(keepends=True)[:-1])),
+    "index garbage (re-signed)": lambda d: _resign(d, "index.faiss", b"\x00" * 64),
+    "dim mismatch": lambda d: _rewrite_manifest(d, lambda m: m.update(dim=100)),
+}
+
+
+@pytest.mark.parametrize("corrupt", CORRUPTIONS.values(), ids=CORRUPTIONS.keys())
+def test_corruption_is_detected(saved: Path, tmp_path: Path, embedder: Embedder,
+                                corrupt: Callable[[Path], None]) -> None:
+    directory = tmp_path / "store"
+    shutil.copytree(saved, directory)
+    corrupt(directory)
+    with pytest.raises(CorruptFileError, match=str(directory)):
+        DocumentStore.load(directory, embedder=embedder)
+
+
+def test_load_rejects_another_embedder(saved: Path) -> None:
+    with pytest.raises(InvalidRequestError, match="built with embedder"):
+        DocumentStore.load(saved, embedder=Embedder(name="some-other-model"))
+
+
+def test_add_documents_skips_known_ids(embedder: Embedder) -> None:
+    local = DocumentStore.build(_synthetic(5), embedder, progress=False)
+    new = _doc("Photosynthesis turns sunlight, water and carbon dioxide into sugar in leaves.")
+    added = local.add_documents([*_synthetic(5), new, new], embedder)
+    assert added == [new] and len(local) == 6 and local.documents[-1] == new
+    assert local.search("how do plants make food from light", 1)[0].document == new
+
+
+def _write_corpus(folder: Path) -> None:
+    folder.mkdir()
+    for title, text in TOPICS.items():
+        (folder / f"{title}.md").write_text(f"# {title}\n\n{text}\n")
+
+
+def test_build_index_reuses_then_rebuilds(tmp_path: Path, embedder: Embedder,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    corpus, store_dir = tmp_path / "corpus", tmp_path / "store"
+    _write_corpus(corpus)
+    builds = []
+    original = DocumentStore.build.__func__  # type: ignore[attr-defined]
+    monkeypatch.setattr(DocumentStore, "build", classmethod(
+        lambda cls, *a, **kw: builds.append(1) or original(cls, *a, **kw)))
+
+    first = build_index(corpus, store_dir, embedder=embedder, progress=False)
+    assert len(builds) == 1 and first.corpus_fingerprint == corpus_fingerprint(corpus)
+    again = build_index(corpus, store_dir, embedder=embedder, progress=False)
+    assert len(builds) == 1 and again.documents == first.documents
+
+    changed = corpus / "files.md"
+    changed.write_text("# files\n\nPathlib's Path.read_text reads a whole file into a string.\n")
+    stat = changed.stat()
+    os.utime(changed, ns=(stat.st_atime_ns, stat.st_mtime_ns + 5_000_000_000))
+    rebuilt = build_index(corpus, store_dir, embedder=embedder, progress=False)
+    assert len(builds) == 2 and "Pathlib" in rebuilt.search("read a file into a string", 1)[0].document.text
+
+    (store_dir / "index.faiss").write_bytes(b"broken")
+    with pytest.raises(CorruptFileError, match="--rebuild"):  # corrupt: a clear error, no silent rebuild
+        build_index(corpus, store_dir, embedder=embedder, progress=False)
+    assert len(builds) == 2
+    build_index(corpus, store_dir, embedder=embedder, progress=False, rebuild=True)
+    assert len(builds) == 3
+
+
+def test_default_store_dir(tmp_path: Path, embedder: Embedder, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RAGCACHE_HOME", str(tmp_path / "home"))
+    corpus = tmp_path / "corpus"
+    _write_corpus(corpus)
+    directory = default_store_dir(corpus)
+    assert directory.parent == tmp_path / "home" / "indexes" and len(directory.name) == 16
+    assert default_store_dir(tmp_path / "corpus" / ".." / "corpus") == directory
+    build_index(corpus, embedder=embedder, progress=False)
+    assert (directory / "manifest.json").is_file()
+    monkeypatch.delenv("RAGCACHE_HOME")
+    assert default_store_dir(corpus).parent == Path.home() / ".cache" / "ragcache" / "indexes"
+
+
+def test_build_index_reports_bad_corpus(tmp_path: Path, embedder: Embedder) -> None:
+    with pytest.raises(CorpusError):
+        build_index(tmp_path / "nope", tmp_path / "store", embedder=embedder, progress=False)
