@@ -1,0 +1,63 @@
+"""Loading local models: HF folders, GGUF files, and the errors for bad paths."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ragcache_backend.errors import ModelLoadError
+from ragcache_backend.model_loader import default_model_path, load_model, parse_dtype
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tiny_model, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tiny_model.model.save_pretrained(folder)
+    tiny_model.tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_load_hf_folder_and_generate(tiny_folder, fixed_profile):
+    from ragcache_backend.config import EngineConfig
+    from ragcache_backend.engine import RAGCacheEngine
+    from ragcache_backend.sampling import SamplingParams
+
+    loaded = load_model(tiny_folder)
+    assert loaded.name == tiny_folder.name and loaded.context_window == 2048
+    engine = RAGCacheEngine(EngineConfig(device_budget_bytes=2**22), loaded=loaded, profile=fixed_profile)
+    engine.generate("q", ["a document about lists " * 5], SamplingParams(max_tokens=4))
+    r = engine.generate("q", ["a document about lists " * 5], SamplingParams(max_tokens=4))
+    assert r.cached_tokens > 0
+    # same weights, same dtype -> same fingerprint; another dtype -> another one
+    assert load_model(tiny_folder).fingerprint == loaded.fingerprint
+    assert load_model(tiny_folder, dtype="bfloat16").fingerprint != loaded.fingerprint
+
+
+def test_bad_paths_and_architectures(tmp_path, tiny_folder):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(tmp_path / "missing")
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ModelLoadError, match="not a .gguf"):
+        load_model(tmp_path / "weights.bin")
+    with pytest.raises(ModelLoadError, match="config.json"):
+        load_model(tmp_path)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="could not load"):
+        load_model(broken)
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100)).save_pretrained(gpt2)
+    for f in tiny_folder.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
+            (gpt2 / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(ModelLoadError, match="not supported"):
+        load_model(gpt2)
+    with pytest.raises(ModelLoadError, match="unknown dtype"):
+        parse_dtype("int3")
+    assert default_model_path().suffix == ".gguf"
+    assert json.loads((tiny_folder / "config.json").read_text())["model_type"] == "llama"
