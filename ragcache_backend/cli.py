@@ -54,6 +54,14 @@ def _precheck(corpus: Optional[Path], model: Optional[str]) -> None:
         raise ModelLoadError(f"model path does not exist: {model}")
 
 
+def _quiet_loaders() -> None:
+    """transformers' weight-loading progress bars say nothing useful to a CLI user."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
 def _engine(model: Optional[str], dtype: str, threads: int, policy: str = "pgdsf", store=None):
     from ragcache_backend.config import EngineConfig
     from ragcache_backend.engine import RAGCacheEngine
@@ -66,6 +74,7 @@ def _store(corpus: Optional[Path], *, rebuild: bool = False):
     from ragcache_backend.datasets import python_docs_dir
     from ragcache_backend.docstore import build_index
 
+    _quiet_loaders()
     corpus = corpus if corpus is not None else python_docs_dir()
     err.print(f"corpus: {corpus}")
     return build_index(corpus, progress=True, rebuild=rebuild)
@@ -164,11 +173,13 @@ def demo(
                 progress=lambda i, n, label: status.update(f"request {i}/{n} ({label})"),
             )
         table = Table(title=f"ragcache demo: {engine.model_name}, k={k}, steady state")
-        for col in ("question", "TTFT cached", "TTFT no cache", "cached tokens", "answer"):
-            table.add_column(col, overflow="fold")
+        table.add_column("question", ratio=3, overflow="fold")
+        for col in ("TTFT cached", "TTFT no cache", "cached tokens"):
+            table.add_column(col, justify="right", no_wrap=True)
+        table.add_column("answer", ratio=4, overflow="fold")
         for r in report.records:
             table.add_row(r.question, f"{r.ttft_cached_s * 1000:.0f} ms", f"{r.ttft_uncached_s * 1000:.0f} ms",
-                          f"{r.cached_tokens}/{r.prompt_tokens}", r.answer_cached.strip()[:160])
+                          f"{r.cached_tokens}/{r.prompt_tokens}", " ".join(r.answer_cached.split())[:100])
         out.print(table)
         out.print(f"mean TTFT with cache {report.mean_ttft_cached_s * 1000:.0f} ms, caching off "
                   f"{report.mean_ttft_uncached_s * 1000:.0f} ms: [bold]{report.ratio:.1f}x[/] lower; answers identical: "
