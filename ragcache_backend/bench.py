@@ -1,0 +1,500 @@
+"""``ragcache bench``: serving under load, side by side (RAGCache §7, SPEC §5).
+
+``--quick`` (about two minutes, used as the test-suite smoke test): our engine only, on the
+Python FAQ corpus with FAQ questions, three systems (ragcache, cache off, device-only LRU), one
+trace replayed at two rates; prints a table and the ratios, writes JSON.
+
+Default (the full comparison): the Python docs corpus, FAQ + MMLU questions, the bf16 model
+folder written by ``benchmarks/convert_model.py``; our three systems plus the peers (vLLM CPU,
+llama.cpp) in their own virtual environments (``benchmarks/setup_peers.sh``), driven by
+``benchmarks/peer_runner.py`` over the same token ids and arrival times; the policy ablation
+(PGDSF/GDSF/LRU/LFU across host-tier sizes) and the reordering ablation near saturation; JSON,
+PNG plots and a Markdown summary under ``--out``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import typer
+
+MiB = 1024 * 1024
+REPO = Path(__file__).resolve().parent.parent
+BENCH_DIR = REPO / "benchmarks"
+PEER_VENVS = {"vllm": BENCH_DIR / ".venv-vllm", "llamacpp": BENCH_DIR / ".venv-llamacpp"}
+
+
+@dataclass(slots=True, frozen=True)
+class OurSystem:
+    """One configuration of our engine."""
+
+    name: str
+    enable_cache: bool = True
+    policy: str = "pgdsf"
+    host: bool = True
+    reorder: bool = True
+
+
+OUR_SYSTEMS = (
+    OurSystem("ragcache"),
+    OurSystem("no-cache", enable_cache=False, reorder=False),
+    OurSystem("lru-device", policy="lru", host=False, reorder=False),
+)
+
+
+# ---- statistics -----------------------------------------------------------------------------------
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    xs = sorted(values)
+    idx = min(len(xs) - 1, max(0, math.ceil(q / 100 * len(xs)) - 1))
+    return xs[idx]
+
+
+def summarize(records: list[dict], makespan: float) -> dict:
+    """TTFT statistics, throughput, hit rates and scheduling overhead of one run."""
+    ok = [r for r in records if r.get("error") is None]
+    ttft = [r["ttft_s"] for r in ok]
+    out = {
+        "requests": len(records), "completed": len(ok), "errors": len(records) - len(ok),
+        "ttft_mean_s": statistics.fmean(ttft) if ttft else float("nan"),
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+        "throughput_rps": len(ok) / makespan if makespan > 0 else float("nan"),
+        "makespan_s": makespan,
+    }
+    prompt = sum(r.get("prompt_tokens", 0) for r in ok)
+    if prompt:
+        out["token_hit_rate"] = sum(r.get("cached_tokens", 0) for r in ok) / prompt
+    if ok and "device_hits" in ok[0]:
+        docs = sum(r.get("doc_segments", 0) for r in ok)
+        out["device_hit_rate"] = sum(r["device_hits"] for r in ok) / max(1, docs)
+        out["host_hit_rate"] = sum(r["host_hits"] for r in ok) / max(1, docs)
+        out["sched_overhead_ms"] = 1e3 * statistics.fmean(r["sched_s"] for r in ok)
+        out["kv_copy_ms"] = 1e3 * statistics.fmean(r.get("kv_copy_s", 0.0) for r in ok)
+    errors = sorted({r["error"] for r in records if r.get("error")})
+    if errors:
+        out["error_kinds"] = errors[:5]
+    return out
+
+
+# ---- our engine -----------------------------------------------------------------------------------
+def run_ours(loaded, profile, prompts, arrivals, system: OurSystem, *, device_bytes: int, host_bytes: int,
+             max_tokens: int, threads: int, max_batch_size: int, max_batch_tokens: int, window: int,
+             block_size: int = 16) -> dict:
+    """Replay ``prompts`` (segment lists) at ``arrivals`` (seconds) open-loop against one system."""
+    from ragcache_backend.config import EngineConfig
+    from ragcache_backend.engine import RAGCacheEngine
+    from ragcache_backend.sampling import SamplingParams
+    from ragcache_backend.scheduler import SchedulerConfig
+    from ragcache_backend.serving import ServingEngine
+
+    cfg = EngineConfig(dtype=_dtype_name(loaded), threads=threads, block_size=block_size,
+                       device_budget_bytes=device_bytes, host_budget_bytes=host_bytes if system.host else 0,
+                       policy=system.policy, enable_cache=system.enable_cache)
+    engine = RAGCacheEngine(cfg, loaded=loaded, profile=profile if system.policy == "pgdsf" else None)
+    sched = SchedulerConfig(max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,
+                            reorder=system.reorder, window=window if system.reorder else 0)
+    sampling = SamplingParams(max_tokens=max_tokens)
+    # warm-up (one request, then the cache is emptied)
+    engine.generate_segments(prompts[0], SamplingParams(max_tokens=2))
+    engine.reset_cache()
+    handles = []
+    with ServingEngine(engine, sched) as srv:
+        t0 = time.perf_counter()
+        for segs, at in zip(prompts, arrivals):
+            delay = t0 + at - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            handles.append(srv.submit_segments(segs, sampling))
+        records = []
+        for h, segs in zip(handles, prompts):
+            rec = {"doc_segments": sum(1 for s in segs if s.doc_id is not None)}
+            try:
+                r = h.result(timeout=3600)
+            except Exception as exc:  # reported, never dropped
+                rec["error"] = f"{type(exc).__name__}: {exc}"
+            else:
+                rec.update(ttft_s=r.ttft_s, total_s=r.total_s, prompt_tokens=r.prompt_tokens,
+                           cached_tokens=r.cached_tokens, device_hits=r.device_hits, host_hits=r.host_hits,
+                           output_tokens=len(r.token_ids), sched_s=h.metrics.sched_s, kv_copy_s=h.metrics.kv_copy_s,
+                           queue_s=h.metrics.queue_s)
+            records.append(rec)
+        makespan = max(h.metrics.finished for h in handles) - t0
+        stats = dict(srv.stats)
+    engine.cache.check_invariants()
+    summary = summarize(records, makespan)
+    summary["cache_stats"] = {k: getattr(engine.cache.stats, k) for k in engine.cache.stats.__dataclass_fields__}
+    summary["serving_stats"] = stats
+    return {"summary": summary, "records": records}
+
+
+def _dtype_name(loaded) -> str:
+    return str(loaded.dtype).removeprefix("torch.")
+
+
+# ---- peers --------------------------------------------------------------------------------------------
+def run_peer(peer: str, model_dir: Path, gguf: Path, prompts_ids, arrivals_by_rate: dict, *, max_tokens: int,
+             threads: int, kv_bytes: int, out_dir: Path, max_num_seqs: int = 4, max_batch_tokens: int = 4096,
+             timeout_s: int = 5400) -> dict:
+    """Run ``benchmarks/peer_runner.py`` in the peer's own venv; returns its JSON or the error."""
+    py = PEER_VENVS[peer] / "bin" / "python"
+    if not (PEER_VENVS[peer] / ".ok").exists():
+        return {"error": f"{peer} is not set up: run `bash benchmarks/setup_peers.sh {peer}` "
+                         f"(log: benchmarks/logs/setup-{peer}.log)"}
+    out_dir = out_dir.resolve()
+    job = out_dir / f"peer-{peer}-in.json"
+    result = out_dir / f"peer-{peer}-out.json"
+    job.write_text(json.dumps({
+        "peer": peer, "model_dir": str(model_dir), "gguf": str(gguf), "prompts": prompts_ids,
+        "arrivals": {str(k): v for k, v in arrivals_by_rate.items()}, "max_tokens": max_tokens,
+        "threads": threads, "kv_bytes": kv_bytes, "max_num_seqs": max_num_seqs, "max_batch_tokens": max_batch_tokens,
+    }))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
+               VLLM_CPU_NUM_OF_RESERVED_CPU="0", OMP_NUM_THREADS=str(threads), PYTHONPATH="")
+    log = out_dir / f"peer-{peer}.log"
+    with log.open("w") as fh:
+        try:
+            proc = subprocess.run([str(py), str(BENCH_DIR / "peer_runner.py"), str(job), str(result)],
+                                  stdout=fh, stderr=subprocess.STDOUT, env=env, timeout=timeout_s, cwd=str(out_dir))
+        except subprocess.TimeoutExpired:
+            return {"error": f"{peer} timed out after {timeout_s} s (log: {log})"}
+    if proc.returncode != 0 or not result.exists():
+        tail = log.read_text(errors="replace").strip().splitlines()[-15:]
+        return {"error": f"{peer} exited {proc.returncode}: " + " | ".join(tail)}
+    data = json.loads(result.read_text())
+    for rate, recs in data.get("runs", {}).items():
+        data.setdefault("summaries", {})[rate] = summarize(recs["records"], recs["makespan_s"])
+    return data
+
+
+# ---- the benchmark ------------------------------------------------------------------------------------
+def _machine() -> dict:
+    cpu = ""
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    load = os.getloadavg()
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "platform": platform.platform(), "loadavg_at_start": [round(x, 2) for x in load],
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+def _table(rows: list[tuple], headers: tuple) -> str:
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(headers)]
+    line = "| " + " | ".join(str(h).ljust(w) for h, w in zip(headers, widths)) + " |"
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    body = ["| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
+    return "\n".join([line, sep, *body])
+
+
+def _fmt(x, nd=3) -> str:
+    return "nan" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
+
+
+def bench(
+    quick: bool = typer.Option(False, "--quick", help="our engine only, small FAQ trace, about two minutes"),
+    out: Path = typer.Option(Path("bench-results"), "--out", help="folder for JSON, plots and summary"),
+    rates: str = typer.Option("", "--rates", help="comma-separated request rates (req/s); default per mode"),
+    num_requests: int = typer.Option(0, "--requests", help="requests per trace; default per mode"),
+    max_tokens: int = typer.Option(0, "--max-tokens", help="tokens generated per request; default per mode"),
+    k: int = typer.Option(2, "--k", help="documents retrieved per request"),
+    zipf: float = typer.Option(1.0, "--zipf", help="Zipf exponent of document popularity"),
+    seed: int = typer.Option(0, "--seed", help="seed of the trace"),
+    threads: int = typer.Option(2, "--threads", help="CPU threads for every system"),
+    model: str = typer.Option("", "--model", help="model for our engine (default: quick = packaged GGUF in fp32; "
+                              "full = benchmarks/models/smollm2-135m-bf16 in bf16)"),
+    device_mib: int = typer.Option(0, "--device-mib", help="our device tier (peers' KV in the paper's setting)"),
+    host_mib: int = typer.Option(0, "--host-mib", help="our host tier"),
+    peers: str = typer.Option("vllm,llamacpp", "--peers", help="peers to run in the full mode ('' for none)"),
+    ablations: bool = typer.Option(True, "--ablations/--no-ablations", help="policy and reordering ablations (full mode)"),
+    max_batch_size: int = typer.Option(4, "--max-batch-size"),
+    max_batch_tokens: int = typer.Option(4096, "--max-batch-tokens"),
+    window: int = typer.Option(32, "--window", help="reordering starvation window (requests)"),
+    corpus: str = typer.Option("docs", "--corpus", help="full mode corpus: 'docs' (all Python docs) or 'faq'"),
+    mmlu: int = typer.Option(300, "--mmlu", help="MMLU questions in the full mode's pool"),
+    host_sizes: str = typer.Option("0,32,128", "--ablation-host-mib", help="host-tier sizes of the policy ablation"),
+    ours: str = typer.Option("ragcache,no-cache,lru-device", "--ours", help="our systems to run ('' for none)"),
+    resume: bool = typer.Option(False, "--resume", help="keep the systems and ablations already in OUT/results.json"),
+) -> None:
+    """Benchmark serving under load: TTFT vs rate, throughput at an SLO, hit rates, ablations."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    from ragcache_backend.datasets import python_docs_dir
+    from ragcache_backend.docstore import build_index
+    from ragcache_backend.model_loader import load_model
+    from ragcache_backend.workload import build_workload, question_pool
+
+    torch.set_num_threads(threads)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    machine = _machine()
+    docs = python_docs_dir()
+    if quick:
+        rate_list = [float(x) for x in rates.split(",")] if rates else [0.5, 2.0]
+        n = num_requests or 24
+        max_tokens = max_tokens or 4
+        store = build_index(docs / "faq", out / "index-faq", progress=False)
+        pool = question_pool(store, k=k, faq=True, mmlu=0, seed=seed)
+        model_path, dtype = (model or None), "float32"
+        device_mib, host_mib = device_mib or 64, host_mib or 256
+        peer_list: list[str] = []
+        ablations = False
+    else:
+        rate_list = [float(x) for x in rates.split(",")] if rates else [0.25, 0.5, 1.0, 2.0]
+        n = num_requests or 80
+        max_tokens = max_tokens or 8
+        if corpus == "faq":
+            store = build_index(docs / "faq", out / "index-faq", progress=False)
+        else:
+            store = build_index(docs, progress=False)
+        pool = question_pool(store, k=k, faq=True, mmlu=mmlu, seed=seed, docs_dir=docs)
+        model_path, dtype = (model or str(BENCH_DIR / "models" / "smollm2-135m-bf16")), "bfloat16"
+        device_mib, host_mib = device_mib or 96, host_mib or 384
+        peer_list = [p for p in peers.split(",") if p]
+    wl = build_workload(store, pool, num_requests=n, zipf_s=zipf, seed=seed)
+    typer.echo(f"trace: {n} requests, {len(wl.documents)} distinct documents of {wl.corpus_size}; "
+               f"share of requests hitting the top 3% of documents: "
+               f"{wl.skew['share_requests_hitting_top_corpus']:.0%} (corpus), "
+               f"{wl.skew['share_requests_hitting_top_used']:.0%} (of documents used)")
+    typer.echo(f"[{time.perf_counter() - started:6.1f}s] loading the model ...")
+    loaded = load_model(model_path, dtype=dtype)
+    profile = _profile(loaded, threads, device_mib)
+    typer.echo(f"[{time.perf_counter() - started:6.1f}s] model and prefill profile ready")
+    from ragcache_backend.prompt import PromptBuilder
+    from ragcache_backend.config import EngineConfig
+
+    builder = PromptBuilder(loaded.tokenizer, EngineConfig().system_prompt)
+    prompts = [builder.build(r.question, [(wl.documents[d], d) for d in r.doc_ids]) for r in wl.requests]
+    prompt_ids = [[t for s in segs for t in s.token_ids] for segs in prompts]
+    device_bytes, host_bytes = device_mib * MiB, host_mib * MiB
+    common = dict(device_bytes=device_bytes, host_bytes=host_bytes, max_tokens=max_tokens, threads=threads,
+                  max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens, window=window)
+    results: dict = {"corpus": "python-docs/faq" if quick or corpus == "faq" else "python-docs", "machine": machine, "mode": "quick" if quick else "full", "model": loaded.name,
+                     "model_path": model_path or "packaged GGUF", "dtype": dtype, "threads": threads,
+                     "device_mib": device_mib, "host_mib": host_mib, "max_tokens": max_tokens,
+                     "rates": rate_list, "workload": wl.to_json(), "systems": {},
+                     "prompt_tokens_mean": statistics.fmean(len(p) for p in prompt_ids),
+                     "scheduler": {"max_batch_size": max_batch_size, "max_batch_tokens": max_batch_tokens,
+                                   "window": window}}
+    if resume and (out / "results.json").exists():
+        old = json.loads((out / "results.json").read_text())
+        for key in ("systems", "policy_ablation", "reorder_ablation", "peer_info"):
+            if key in old:
+                results[key] = old[key]
+        results["machine"]["previous_runs"] = old.get("machine")
+    wanted = {x for x in ours.split(",") if x}
+    for system in [s for s in OUR_SYSTEMS if s.name in wanted]:
+        for rate in rate_list:
+            arrivals = [r.arrival_s(rate) for r in wl.requests]
+            typer.echo(f"[{time.perf_counter() - started:6.1f}s] {system.name} @ {rate} req/s ...")
+            run = run_ours(loaded, profile, prompts, arrivals, system, **common)
+            results["systems"].setdefault(system.name, {})[str(rate)] = run["summary"]
+            _save(out, results)
+    kv_settings = {"paper": device_bytes, "equal-total": device_bytes + host_bytes}
+    for peer in peer_list:
+        for setting, kv in kv_settings.items():
+            typer.echo(f"  {peer} (KV {kv // MiB} MiB, {setting}) ...")
+            arrivals = {rate: [r.arrival_s(rate) for r in wl.requests] for rate in rate_list}
+            data = run_peer(peer, Path(model_path), BENCH_DIR / "models" / "smollm2-135m-bf16.gguf", prompt_ids,
+                            arrivals, max_tokens=max_tokens, threads=threads, kv_bytes=kv, out_dir=out,
+                            max_num_seqs=max_batch_size, max_batch_tokens=max_batch_tokens)
+            name = f"{peer} ({setting} KV {kv // MiB} MiB)"
+            if "error" in data:
+                results["systems"][name] = {"error": data["error"]}
+                typer.echo(f"    error: {data['error'][:300]}")
+            else:
+                results["systems"][name] = data["summaries"]
+                results.setdefault("peer_info", {})[name] = data.get("info", {})
+            _save(out, results)
+    if ablations:
+        hosts = [int(x) for x in host_sizes.split(",") if x]
+        results["policy_ablation"] = _policy_ablation(loaded, profile, prompts, wl, rate_list, common, out, results, hosts)
+        results["reorder_ablation"] = _reorder_ablation(loaded, profile, prompts, wl, rate_list, common, out, results)
+    results["slo"] = _slo(results)
+    results["elapsed_s"] = time.perf_counter() - started
+    results["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    _save(out, results)
+    report = render_report(results)
+    (out / "summary.md").write_text(report)
+    typer.echo(report)
+    if not quick:
+        try:
+            plot(results, out)
+        except Exception as exc:  # plotting is optional
+            typer.echo(f"plots skipped: {exc!r}")
+
+
+def _profile(loaded, threads: int, device_mib: int):
+    """PGDSF needs a prefill profile: measured once per model/dtype/threads, cached on disk."""
+    from ragcache_backend.config import EngineConfig
+    from ragcache_backend.engine import RAGCacheEngine
+
+    eng = RAGCacheEngine(EngineConfig(dtype=_dtype_name(loaded), threads=threads, device_budget_bytes=device_mib * MiB,
+                                      host_budget_bytes=0), loaded=loaded)
+    return eng.profile
+
+
+def _policy_ablation(loaded, profile, prompts, wl, rate_list, common, out, results, hosts) -> dict:
+    """Hit rate and mean TTFT of PGDSF/GDSF/LRU/LFU across host-tier sizes (RAGCache Table 2)."""
+    rate = rate_list[1] if len(rate_list) > 1 else rate_list[0]
+    arrivals = [r.arrival_s(rate) for r in wl.requests]
+    table: dict = {"rate": rate, "runs": {}}
+    dev = common["device_bytes"]
+    for host_mib in hosts:
+        for policy in ("pgdsf", "gdsf", "lru", "lfu"):
+            typer.echo(f"  ablation policy={policy} host={host_mib} MiB ...")
+            c = dict(common, host_bytes=host_mib * MiB, device_bytes=dev)
+            run = run_ours(loaded, profile, prompts, arrivals, OurSystem(policy, policy=policy, host=host_mib > 0), **c)
+            s = run["summary"]
+            table["runs"].setdefault(str(host_mib), {})[policy] = {
+                k: s.get(k) for k in ("token_hit_rate", "device_hit_rate", "host_hit_rate", "ttft_mean_s")}
+            results["policy_ablation"] = table
+            _save(out, results)
+    return table
+
+
+def _reorder_ablation(loaded, profile, prompts, wl, rate_list, common, out, results) -> dict:
+    """ragcache with and without cache-aware reordering at the highest rate (near saturation)."""
+    rate = rate_list[-1]
+    arrivals = [r.arrival_s(rate) for r in wl.requests]
+    table: dict = {"rate": rate}
+    for reorder in (True, False):
+        run = run_ours(loaded, profile, prompts, arrivals, OurSystem("ragcache", reorder=reorder), **common)
+        table["reorder" if reorder else "fifo"] = run["summary"]
+        results["reorder_ablation"] = table
+        _save(out, results)
+    return table
+
+
+def _slo(results: dict) -> dict:
+    """Throughput at an SLO of 5x the cache-off engine's mean TTFT at the lowest rate: the largest
+    measured throughput among the rates whose mean TTFT meets the SLO."""
+    rates = [str(r) for r in results["rates"]]
+    base = results["systems"].get("no-cache", {}).get(rates[0], {}).get("ttft_mean_s")
+    if base is None:
+        return {}
+    slo = 5 * base
+    out = {"slo_s": slo, "throughput_rps": {}}
+    for name, runs in results["systems"].items():
+        if "error" in runs:
+            continue
+        good = [runs[r]["throughput_rps"] for r in rates if r in runs and runs[r]["ttft_mean_s"] <= slo]
+        out["throughput_rps"][name] = max(good) if good else 0.0
+    return out
+
+
+def _save(out: Path, results: dict) -> None:
+    path = out / "results.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(results, indent=1, default=str))
+    tmp.replace(path)
+
+
+def render_report(results: dict) -> str:
+    rates = [str(r) for r in results["rates"]]
+    rows = []
+    for name, runs in results["systems"].items():
+        if "error" in runs:
+            rows.append((name, "-", "error", "", "", "", "", "", runs["error"][:120]))
+            continue
+        for r in rates:
+            s = runs.get(r)
+            if not s:
+                continue
+            rows.append((name, r, _fmt(s["ttft_mean_s"]), _fmt(s["ttft_p50_s"]), _fmt(s["ttft_p99_s"]),
+                         _fmt(s["throughput_rps"], 2), _fmt(s.get("token_hit_rate"), 2),
+                         f"{_fmt(s.get('device_hit_rate'), 2)}/{_fmt(s.get('host_hit_rate'), 2)}"
+                         if "device_hit_rate" in s else "-",
+                         _fmt(s.get("sched_overhead_ms"), 3) if "sched_overhead_ms" in s else
+                         (f"{s['errors']} errors" if s.get("errors") else "")))
+    head = ("system", "rate", "TTFT mean s", "p50", "p99", "thr req/s", "token hit", "dev/host node hit",
+            "sched ms/req | notes")
+    lines = [f"model {results['model']} ({results['dtype']}), {results['threads']} threads, device tier "
+             f"{results['device_mib']} MiB, host tier {results['host_mib']} MiB, max_tokens {results['max_tokens']}, "
+             f"mean prompt {results['prompt_tokens_mean']:.0f} tokens",
+             f"skew: {results['workload']['skew']}", "", _table(rows, head), ""]
+    low = rates[0]
+    sys_ = results["systems"]
+    rc = sys_.get("ragcache", {}).get(low, {}).get("ttft_mean_s")
+    for other in sys_:
+        if other == "ragcache" or "error" in sys_[other]:
+            continue
+        o = sys_[other].get(low, {}).get("ttft_mean_s")
+        if rc and o:
+            lines.append(f"mean TTFT at {low} req/s: {other} / ragcache = {o / rc:.2f}x")
+    slo = results.get("slo")
+    if slo:
+        lines.append(f"SLO {slo['slo_s']:.3f} s: throughput " +
+                     ", ".join(f"{k} {v:.2f}" for k, v in slo["throughput_rps"].items()))
+        base = slo["throughput_rps"].get("no-cache")
+        if base:
+            lines.append(f"throughput at SLO: ragcache / no-cache = {slo['throughput_rps'].get('ragcache', 0) / base:.2f}x")
+    pa = results.get("policy_ablation")
+    if pa:
+        lines += ["", f"policy ablation at {pa['rate']} req/s: token hit rate / mean TTFT s"]
+        rows = [(h, *(f"{_fmt(p[pol]['token_hit_rate'], 3)} / {_fmt(p[pol]['ttft_mean_s'])}"
+                      for pol in ("pgdsf", "gdsf", "lru", "lfu"))) for h, p in pa["runs"].items()]
+        lines.append(_table(rows, ("host MiB", "PGDSF", "GDSF", "LRU", "LFU")))
+    ra = results.get("reorder_ablation")
+    if ra and "fifo" in ra:
+        lines += ["", f"reordering ablation at {ra['rate']} req/s: mean TTFT reorder "
+                  f"{_fmt(ra['reorder']['ttft_mean_s'])} s vs FIFO {_fmt(ra['fifo']['ttft_mean_s'])} s, "
+                  f"p99 {_fmt(ra['reorder']['ttft_p99_s'])} vs {_fmt(ra['fifo']['ttft_p99_s'])}, "
+                  f"token hit {_fmt(ra['reorder'].get('token_hit_rate'))} vs {_fmt(ra['fifo'].get('token_hit_rate'))}"]
+    return "\n".join(lines)
+
+
+def plot(results: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = [str(r) for r in results["rates"]]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for name, runs in results["systems"].items():
+        if "error" in runs:
+            continue
+        xs = [float(r) for r in rates if r in runs]
+        for ax, key in zip(axes, ("ttft_mean_s", "ttft_p50_s", "ttft_p99_s")):
+            ax.plot(xs, [runs[r][key] for r in rates if r in runs], marker="o", label=name)
+    for ax, title in zip(axes, ("mean TTFT", "p50 TTFT", "p99 TTFT")):
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel("seconds")
+        ax.set_yscale("log")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "ttft_vs_rate.png", dpi=110)
+    plt.close(fig)
+    pa = results.get("policy_ablation")
+    if pa:
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        hosts = list(pa["runs"])
+        for pol in ("pgdsf", "gdsf", "lru", "lfu"):
+            axes[0].plot(hosts, [pa["runs"][h][pol]["token_hit_rate"] for h in hosts], marker="o", label=pol)
+            axes[1].plot(hosts, [pa["runs"][h][pol]["ttft_mean_s"] for h in hosts], marker="o", label=pol)
+        axes[0].set_title("token hit rate")
+        axes[1].set_title("mean TTFT (s)")
+        for ax in axes:
+            ax.set_xlabel("host tier (MiB)")
+            ax.grid(alpha=0.3)
+        axes[0].legend()
+        fig.tight_layout()
+        fig.savefig(out / "policy_ablation.png", dpi=110)
+        plt.close(fig)
+
+
+if __name__ == "__main__":
+    typer.run(bench)

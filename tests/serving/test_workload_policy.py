@@ -1,0 +1,80 @@
+"""Workload generator (skew, Poisson arrivals, seeds) and the model-free policy replay."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ragcache_backend.bench import percentile, summarize
+from ragcache_backend.bench_policy import policy_table
+from ragcache_backend.profile import PrefillProfile
+from ragcache_backend.prompt import Segment, SegmentKind
+from ragcache_backend.workload import PoolQuestion, build_workload, measure_skew, TraceRequest
+
+
+class _Store:
+    def __init__(self, n):
+        self.docs = {f"d{i}": f"text {i}" for i in range(n)}
+
+    def __len__(self):
+        return len(self.docs)
+
+    def get(self, doc_id):
+        return type("D", (), {"text": self.docs[doc_id]})()
+
+
+def _pool(n_docs=60, per_doc=2):
+    return [PoolQuestion(f"q{d}-{j}", "faq", (f"d{d}", f"d{(d + 1) % n_docs}"))
+            for d in range(n_docs) for j in range(per_doc)]
+
+
+def test_workload_is_seeded_skewed_and_poisson():
+    store, pool = _Store(60), _pool()
+    a = build_workload(store, pool, num_requests=400, zipf_s=1.2, seed=3)
+    b = build_workload(store, pool, num_requests=400, zipf_s=1.2, seed=3)
+    assert [r.question for r in a.requests] == [r.question for r in b.requests]
+    assert [r.arrival_s(2.0) for r in a.requests] == [r.arrival_s(2.0) for r in b.requests]
+    gaps = [y.arrival_units - x.arrival_units for x, y in zip(a.requests, a.requests[1:])]
+    assert 0.85 < sum(gaps) / len(gaps) < 1.15  # unit-rate Poisson: mean gap 1
+    assert a.requests[10].arrival_s(4.0) == pytest.approx(a.requests[10].arrival_units / 4.0)
+    flat = build_workload(store, pool, num_requests=400, zipf_s=0.0, seed=3)
+    assert a.skew["share_requests_hitting_top_corpus"] > flat.skew["share_requests_hitting_top_corpus"]
+    assert set(a.documents) == {d for r in a.requests for d in r.doc_ids}
+
+
+def test_measure_skew_by_hand():
+    reqs = [TraceRequest(i, float(i), "q", "faq", docs) for i, docs in
+            enumerate([("a", "b"), ("a",), ("c",), ("a", "c")])]
+    s = measure_skew(reqs, corpus_size=100, top_share=0.03)  # top 3 of the corpus: a, c, b
+    assert s["top_docs_corpus"] == 3 and s["share_requests_hitting_top_corpus"] == 1.0
+    assert s["top_docs_used"] == 1 and s["share_requests_hitting_top_used"] == 0.75  # only "a"
+
+
+def test_summary_statistics():
+    recs = [{"ttft_s": t, "prompt_tokens": 10, "cached_tokens": 5} for t in (1.0, 2.0, 3.0, 4.0)]
+    recs.append({"error": "CacheBudgetError: x"})
+    s = summarize(recs, makespan=2.0)
+    assert s["completed"] == 4 and s["errors"] == 1 and s["ttft_mean_s"] == 2.5
+    assert s["ttft_p50_s"] == 2.0 and s["ttft_p99_s"] == 4.0 and s["throughput_rps"] == 2.0
+    assert s["token_hit_rate"] == 0.5 and percentile([], 50) != percentile([], 50)  # nan
+
+
+def test_policy_replay_is_deterministic_and_bounded():
+    rng = random.Random(0)
+    system = Segment(tuple(range(1, 20)), SegmentKind.PREFIX, True)
+    docs = [Segment(tuple(rng.randrange(100, 5000) for _ in range(rng.randint(20, 60))), SegmentKind.DOCUMENT, True,
+                    doc_id=f"d{i}") for i in range(30)]
+    prompts = []
+    for _ in range(200):
+        a, b = rng.choices(range(30), weights=[1 / (i + 1) for i in range(30)], k=2)
+        prompts.append([system, docs[a], docs[b], Segment((7, 8, 9), SegmentKind.TAIL, False)])
+    profile = PrefillProfile(alphas=(0, 512, 1536), betas=(32, 256, 1024),
+                             times=((0.07, 0.5, 2.1), (0.09, 0.6, 2.6), (0.12, 0.8, 3.4)))
+    kw = dict(profile=profile, device_bytes=16 * 16 * 16, host_sizes_bytes=[0, 16 * 200], bytes_per_token=16)
+    t1, t2 = policy_table(prompts, **kw), policy_table(prompts, **kw)
+    assert t1 == t2
+    for row in t1.values():
+        for r in row.values():
+            assert 0.0 < r["token_hit_rate"] < 1.0 and r["requests"] == 200
+    assert t1[16 * 200]["pgdsf"]["host_hits"] > 0 and t1[0]["pgdsf"]["host_hits"] == 0
