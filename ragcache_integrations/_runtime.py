@@ -1,0 +1,227 @@
+"""What the LangChain and LlamaIndex adapters share (framework-independent).
+
+* the **default engine** (embedded SmolLM2, built lazily, once per process, thread-safe) for
+  adapters given no engine, and **default document stores** (one per corpus folder, the Python
+  documentation by default);
+* the process-wide :class:`~ragcache_backend.recognition.DocumentRecognizer`: every store our
+  retrievers search (and the store of every engine our models use) is watched by it, so the
+  documents they return are recognised in any prompt that later reaches one of our models;
+* :class:`Generation`: one request (segments + sampling) run on an engine with a ``timeout`` and
+  ``max_retries`` (tenacity), blocking, streaming, or async. Only transient errors are retried
+  (:data:`TRANSIENT_ERRORS`), never a typed input error, and a stream only before its first chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Generic, TypeVar
+
+from tenacity import AsyncRetrying, Retrying, retry_if_exception, stop_after_attempt, wait_exponential
+
+from ragcache_backend.config import EngineConfig
+from ragcache_backend.docstore import DocumentStore, build_index
+from ragcache_backend.engine import GenerationResult, RAGCacheEngine, StreamChunk
+from ragcache_backend.errors import CacheBudgetError, InvalidRequestError, RAGCacheError, RequestCancelledError
+from ragcache_backend.prompt import Segment
+from ragcache_backend.recognition import DocumentRecognizer, PromptSegmenter
+from ragcache_backend.sampling import SamplingParams
+
+__all__ = ["GenerationTimeoutError", "TRANSIENT_ERRORS", "UnsupportedContentError", "Generation",
+           "default_engine", "default_store", "known_documents", "segmenter"]
+
+T = TypeVar("T")
+
+
+class UnsupportedContentError(InvalidRequestError):
+    """A message holds content other than text (image, audio, file, tool call...)."""
+
+
+class GenerationTimeoutError(RAGCacheError, TimeoutError):
+    """A generation ran past the adapter's ``timeout`` and was cancelled."""
+
+
+#: Errors worth another attempt: the device arena momentarily full (held by running requests), a
+#: timed-out attempt. A prompt larger than the whole arena also raises CacheBudgetError; it is
+#: retried too, at most ``max_retries`` times, and then surfaces unchanged.
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (CacheBudgetError, GenerationTimeoutError)
+
+
+class _Lazy(Generic[T]):
+    """A value built on first use, once, under a lock."""
+
+    def __init__(self, factory: Callable[[], T]) -> None:
+        self._factory, self._value, self._lock = factory, None, threading.Lock()
+
+    def get(self) -> T:
+        if self._value is None:
+            with self._lock:
+                if self._value is None:
+                    self._value = self._factory()
+        return self._value
+
+
+_ENGINE = _Lazy(lambda: RAGCacheEngine(EngineConfig()))
+_RECOGNIZER = DocumentRecognizer()
+_STORES: dict[Path, _Lazy[DocumentStore]] = {}
+_STORES_LOCK = threading.Lock()
+
+
+def default_engine() -> RAGCacheEngine:
+    """The process-wide default engine (SmolLM2-135M-Instruct, default config), built on first use."""
+    return _ENGINE.get()
+
+
+def default_store(corpus_dir: Path | str | None = None) -> DocumentStore:
+    """The document store of ``corpus_dir`` (default: the Python documentation), one per process.
+
+    Built with :func:`~ragcache_backend.docstore.build_index`, so it is persisted and reloaded
+    while the corpus is unchanged. Raises CorpusError for a missing or empty corpus.
+    """
+    from ragcache_backend.datasets import python_docs_dir
+
+    folder = Path(corpus_dir).resolve() if corpus_dir is not None else python_docs_dir()
+    with _STORES_LOCK:
+        lazy = _STORES.setdefault(folder, _Lazy(lambda: build_index(folder, progress=False)))
+    return lazy.get()
+
+
+def known_documents() -> DocumentRecognizer:
+    """The process-wide recognizer of documents our adapters may meet inside prompts."""
+    return _RECOGNIZER
+
+
+def segmenter(engine: RAGCacheEngine, recognizer: DocumentRecognizer | None = None) -> PromptSegmenter:
+    """A segmenter for ``engine``'s tokenizer over ``recognizer`` (default :func:`known_documents`);
+    the engine's own store, if any, is watched."""
+    recognizer = recognizer or _RECOGNIZER
+    if engine.store is not None:
+        recognizer.watch(engine.store)
+    return PromptSegmenter(engine.prompts, recognizer)
+
+
+class _Linked(threading.Event):
+    """An event that also reads as set when its parent is set (per-attempt timeout + caller cancel)."""
+
+    def __init__(self, parent: threading.Event) -> None:
+        super().__init__()
+        self._parent = parent
+
+    def own_flag(self) -> bool:
+        return super().is_set()
+
+    def is_set(self) -> bool:
+        return super().is_set() or self._parent.is_set()
+
+
+@dataclass(slots=True)
+class Generation:
+    """One request ready to run on an engine.
+
+    Attributes:
+        engine: where it runs.
+        segments: the segmented prompt.
+        sampling: sampling parameters (``stop`` included).
+        use_cache: None = the engine's setting; False = recompute everything (baseline).
+        timeout: seconds per attempt; the request is cancelled at its next decode step after that.
+        max_retries: further attempts after a transient error.
+    """
+
+    engine: RAGCacheEngine
+    segments: tuple[Segment, ...]
+    sampling: SamplingParams
+    use_cache: bool | None = None
+    timeout: float | None = None
+    max_retries: int = 0
+
+    def _retry_kwargs(self, may_retry: Callable[[], bool] = lambda: True) -> dict:
+        return dict(
+            stop=stop_after_attempt(self.max_retries + 1),
+            retry=retry_if_exception(lambda exc: isinstance(exc, TRANSIENT_ERRORS) and may_retry()),
+            wait=wait_exponential(multiplier=0.1, max=2.0),
+            reraise=True,
+        )
+
+    def run(self, on_text: Callable[[str], None] | None = None,
+            cancel: threading.Event | None = None) -> GenerationResult:
+        """Generate to the end; a transient error is retried unless text was already emitted."""
+        emitted = threading.Event()
+
+        def emit(text: str) -> None:
+            emitted.set()
+            if on_text:
+                on_text(text)
+
+        for attempt in Retrying(**self._retry_kwargs(lambda: not emitted.is_set())):
+            with attempt:
+                return self._attempt(emit, cancel or threading.Event())
+        raise AssertionError("unreachable: tenacity reraises the last error")
+
+    def _attempt(self, on_text: Callable[[str], None], cancel: threading.Event) -> GenerationResult:
+        expired = _Linked(cancel)  # set by the timer; also reads as set once the caller cancels
+        timer = threading.Timer(self.timeout, expired.set) if self.timeout else None
+        if timer:
+            timer.daemon = True
+            timer.start()
+        try:
+            return self.engine.generate_segments(self.segments, self.sampling, use_cache=self.use_cache,
+                                                 on_text=on_text, cancel=expired)
+        except RequestCancelledError:
+            if expired.own_flag():
+                raise GenerationTimeoutError(f"generation exceeded the timeout of {self.timeout} s") from None
+            raise
+        finally:
+            if timer:
+                timer.cancel()
+
+    async def arun(self) -> GenerationResult:
+        """Async :meth:`run` in a worker thread; cancelling the task cancels the request."""
+        cancel = threading.Event()
+        try:
+            return await asyncio.to_thread(self.run, None, cancel)
+        finally:
+            cancel.set()
+
+    def stream(self) -> Iterator[StreamChunk]:
+        """Text deltas as they are generated; the last chunk carries the result."""
+        for attempt in Retrying(**self._retry_kwargs()):
+            with attempt:
+                deadline = time.monotonic() + self.timeout if self.timeout else None
+                chunks = self.engine.stream_segments(self.segments, self.sampling, use_cache=self.use_cache)
+                first = self._checked(next(chunks), chunks, deadline)
+        try:
+            yield first
+            for chunk in chunks:
+                yield self._checked(chunk, chunks, deadline)
+        finally:
+            chunks.close()  # a consumer that stops early cancels the request
+
+    async def astream(self) -> AsyncIterator[StreamChunk]:
+        """Async :meth:`stream`."""
+        async for attempt in AsyncRetrying(**self._retry_kwargs()):
+            with attempt:
+                deadline = time.monotonic() + self.timeout if self.timeout else None
+                chunks = self.engine.astream_segments(self.segments, self.sampling, use_cache=self.use_cache)
+                first = await self._achecked(await anext(chunks), chunks, deadline)
+        try:
+            yield first
+            async for chunk in chunks:
+                yield await self._achecked(chunk, chunks, deadline)
+        finally:
+            await chunks.aclose()
+
+    def _checked(self, chunk: StreamChunk, chunks: Iterator, deadline: float | None) -> StreamChunk:
+        if chunk.result is None and deadline is not None and time.monotonic() > deadline:
+            chunks.close()  # cancels the request
+            raise GenerationTimeoutError(f"generation exceeded the timeout of {self.timeout} s")
+        return chunk
+
+    async def _achecked(self, chunk: StreamChunk, chunks: AsyncIterator, deadline: float | None) -> StreamChunk:
+        if chunk.result is None and deadline is not None and time.monotonic() > deadline:
+            await chunks.aclose()
+            raise GenerationTimeoutError(f"generation exceeded the timeout of {self.timeout} s")
+        return chunk

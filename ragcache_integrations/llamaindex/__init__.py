@@ -1,0 +1,13 @@
+"""LlamaIndex adapters: LLM, retriever, query engine and embedding with document-level KV reuse.
+
+``index.as_query_engine(llm=RAGCacheLLM())`` or ``RAGCacheQueryEngine()`` (SPEC §3).
+"""
+
+from ragcache_integrations.llamaindex.embeddings import RAGCacheEmbedding
+from ragcache_integrations.llamaindex.llms import RAGCacheLLM
+from ragcache_integrations.llamaindex.query_engine import RAGCacheQueryEngine
+from ragcache_integrations.llamaindex.retrievers import RAGCacheRetriever, to_llama_documents
+from ragcache_integrations.llamaindex.usage import CacheUsageRecorder
+
+__all__ = ["CacheUsageRecorder", "RAGCacheEmbedding", "RAGCacheLLM", "RAGCacheQueryEngine", "RAGCacheRetriever",
+           "to_llama_documents"]
