@@ -320,10 +320,11 @@ class RAGCacheEngine:
         segments, dropped = self.segments_for(question, documents, sampling)
         return self.stream_segments(segments, sampling, dropped=dropped, **kw)
 
-    def stream_segments(self, segments: Sequence[Segment], sampling: SamplingParams | None = None, **kw) -> Iterator[StreamChunk]:
-        """Streaming form of :meth:`generate_segments`."""
+    def stream_segments(self, segments: Sequence[Segment], sampling: SamplingParams | None = None, *,
+                        cancel: threading.Event | None = None, **kw) -> Iterator[StreamChunk]:
+        """Streaming form of :meth:`generate_segments`; setting ``cancel`` cancels the request."""
         out: queue.Queue = queue.Queue()
-        cancel = threading.Event()
+        cancel = cancel or threading.Event()
 
         def work() -> None:
             try:
@@ -363,11 +364,12 @@ class RAGCacheEngine:
         async for chunk in self.astream_segments(segments, sampling, dropped=dropped, **kw):
             yield chunk
 
-    async def astream_segments(self, segments: Sequence[Segment], sampling: SamplingParams | None = None, **kw) -> AsyncIterator[StreamChunk]:
-        """Async streaming form of :meth:`generate_segments`."""
+    async def astream_segments(self, segments: Sequence[Segment], sampling: SamplingParams | None = None, *,
+                               cancel: threading.Event | None = None, **kw) -> AsyncIterator[StreamChunk]:
+        """Async streaming form of :meth:`generate_segments`; setting ``cancel`` cancels the request."""
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
-        cancel = threading.Event()
+        cancel = cancel or threading.Event()
 
         def work() -> None:
             try:
@@ -403,6 +405,8 @@ class RAGCacheEngine:
         text = IncrementalText(self.loaded.tokenizer, req.sampling.stop)
         gen = torch.Generator().manual_seed(req.sampling.seed) if req.sampling.seed is not None else None
         with self._lock:
+            if req.cancel.is_set():  # cancelled (or timed out) while waiting for the engine
+                raise RequestCancelledError("the request was cancelled before it started")
             try:
                 self._admit(req)
                 logits = self.runner.forward([self._prefill_input(req)])[0]
