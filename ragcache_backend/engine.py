@@ -44,7 +44,7 @@ from ragcache_backend.profile import DEFAULT_ALPHAS, DEFAULT_BETAS, PrefillProfi
 from ragcache_backend.prompt import PromptBuilder, Segment
 from ragcache_backend.runner import ForwardInput, KVRun, ModelRunner, kv_bytes_per_token
 from ragcache_backend.sampling import SamplingParams, sample_token
-from ragcache_backend.streaming import IncrementalText
+from ragcache_backend.streaming import IncrementalText, adrain, drain
 from ragcache_backend.tiers import AcquiredPrefix, TieredCache
 
 log = logging.getLogger(__name__)
@@ -336,13 +336,7 @@ class RAGCacheEngine:
         worker = threading.Thread(target=work, daemon=True)
         worker.start()
         try:
-            while True:
-                item = out.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.result is not None:
-                    return
+            yield from drain(out)
         finally:
             cancel.set()
             worker.join()
@@ -383,13 +377,8 @@ class RAGCacheEngine:
 
         task = loop.run_in_executor(None, work)
         try:
-            while True:
-                item = await out.get()
-                if isinstance(item, BaseException):
-                    raise item
+            async for item in adrain(out):
                 yield item
-                if item.result is not None:
-                    return
         finally:
             cancel.set()
             await asyncio.shield(task)

@@ -39,7 +39,7 @@ from ragcache_backend.errors import CacheBudgetError, InvalidRequestError, RAGCa
 from ragcache_backend.prompt import Segment
 from ragcache_backend.sampling import SamplingParams, sample_token
 from ragcache_backend.scheduler import Scheduler, SchedulerConfig
-from ragcache_backend.streaming import IncrementalText
+from ragcache_backend.streaming import IncrementalText, adrain
 
 log = logging.getLogger(__name__)
 
@@ -274,13 +274,8 @@ class ServingEngine:
 
         handle.future.add_done_callback(done)
         try:
-            while True:
-                item = await out.get()
-                if isinstance(item, BaseException):
-                    raise item
+            async for item in adrain(out):
                 yield item
-                if item.result is not None:
-                    return
         finally:
             if not handle.done():
                 handle.cancel()
