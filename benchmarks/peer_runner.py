@@ -5,7 +5,8 @@
 JOB (written by ``ragcache_backend.bench.run_peer``): ``peer`` ("vllm" or "llamacpp"),
 ``model_dir`` (bf16 HF folder), ``gguf`` (the same weights as a bf16 GGUF), ``prompts`` (token
 ids, identical to what our engine computes), ``arrivals`` ({rate: [seconds]}), ``max_tokens``,
-``threads``, ``kv_bytes`` (the KV budget given to the peer). Greedy decoding, open-loop arrivals,
+``threads``, ``kv_bytes`` (the KV budget given to the peer), ``warmup`` (token ids served one at a
+time, untimed, after each cache reset and before the timed requests). Greedy decoding, open-loop arrivals,
 TTFT from a request's arrival to its first generated token. The cache is emptied between rates.
 Imports nothing from ragcache (it is not installed in the peer venvs).
 """
@@ -59,6 +60,10 @@ def run_vllm(job: dict) -> dict:
             pass
         for rate, arrivals in job["arrivals"].items():
             await engine.reset_prefix_cache()
+            for j, ids in enumerate(job.get("warmup", [])):  # untimed, one at a time (steady state)
+                async for _ in engine.generate(TokensPrompt(prompt_token_ids=ids), SamplingParams(max_tokens=1, temperature=0.0),
+                                               request_id=f"w{rate}-{j}"):
+                    pass
             t0 = time.perf_counter()
             recs = await asyncio.gather(*(one(rate, i, ids, t0 + a) for i, (ids, a) in enumerate(zip(job["prompts"], arrivals))))
             end = max((r.get("finished_at", t0) for r in recs), default=t0)
@@ -90,6 +95,9 @@ def run_llamacpp(job: dict) -> dict:
                 pass
             llm.set_cache(LlamaRAMCache(capacity_bytes=int(job["kv_bytes"])))
             llm.reset()
+        for ids in job.get("warmup", []):  # untimed, one at a time (steady state)
+            for _ in llm.create_completion(prompt=list(ids), max_tokens=1, temperature=0.0, top_k=1, stream=True):
+                pass
         recs = []
         t0 = time.perf_counter()
         for ids, a in zip(job["prompts"], arrivals):  # one request at a time, FIFO (llama.cpp's Python server)

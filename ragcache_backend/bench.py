@@ -23,6 +23,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import typer
 
@@ -88,8 +89,11 @@ def summarize(records: list[dict], makespan: float) -> dict:
 # ---- our engine -----------------------------------------------------------------------------------
 def run_ours(loaded, profile, prompts, arrivals, system: OurSystem, *, device_bytes: int, host_bytes: int,
              max_tokens: int, threads: int, max_batch_size: int, max_batch_tokens: int, window: int,
-             block_size: int = 16) -> dict:
-    """Replay ``prompts`` (segment lists) at ``arrivals`` (seconds) open-loop against one system."""
+             warm_prompts=(), block_size: int = 16) -> dict:
+    """Replay ``prompts`` (segment lists) at ``arrivals`` (seconds) open-loop against one system.
+
+    The cache starts empty; ``warm_prompts`` (the trace's warm-up part) are then served one at a
+    time, untimed, one token each, so the timed part sees the cache in its steady state."""
     from ragcache_backend.config import EngineConfig
     from ragcache_backend.engine import RAGCacheEngine
     from ragcache_backend.sampling import SamplingParams
@@ -106,6 +110,8 @@ def run_ours(loaded, profile, prompts, arrivals, system: OurSystem, *, device_by
     # warm-up (one request, then the cache is emptied)
     engine.generate_segments(prompts[0], SamplingParams(max_tokens=2))
     engine.reset_cache()
+    for segs in warm_prompts:
+        engine.generate_segments(segs, SamplingParams(max_tokens=1))
     handles = []
     with ServingEngine(engine, sched) as srv:
         t0 = time.perf_counter()
@@ -143,7 +149,7 @@ def _dtype_name(loaded) -> str:
 # ---- peers --------------------------------------------------------------------------------------------
 def run_peer(peer: str, model_dir: Path, gguf: Path, prompts_ids, arrivals_by_rate: dict, *, max_tokens: int,
              threads: int, kv_bytes: int, out_dir: Path, max_num_seqs: int = 4, max_batch_tokens: int = 4096,
-             timeout_s: int = 5400) -> dict:
+             warmup_ids=(), timeout_s: int = 5400) -> dict:
     """Run ``benchmarks/peer_runner.py`` in the peer's own venv; returns its JSON or the error."""
     py = PEER_VENVS[peer] / "bin" / "python"
     if not (PEER_VENVS[peer] / ".ok").exists():
@@ -154,6 +160,7 @@ def run_peer(peer: str, model_dir: Path, gguf: Path, prompts_ids, arrivals_by_ra
     result = out_dir / f"peer-{peer}-out.json"
     job.write_text(json.dumps({
         "peer": peer, "model_dir": str(model_dir), "gguf": str(gguf), "prompts": prompts_ids,
+        "warmup": list(warmup_ids),
         "arrivals": {str(k): v for k, v in arrivals_by_rate.items()}, "max_tokens": max_tokens,
         "threads": threads, "kv_bytes": kv_bytes, "max_num_seqs": max_num_seqs, "max_batch_tokens": max_batch_tokens,
     }))
@@ -204,7 +211,9 @@ def bench(
     quick: bool = typer.Option(False, "--quick", help="our engine only, small FAQ trace, about two minutes"),
     out: Path = typer.Option(Path("bench-results"), "--out", help="folder for JSON, plots and summary"),
     rates: str = typer.Option("", "--rates", help="comma-separated request rates (req/s); default per mode"),
-    num_requests: int = typer.Option(0, "--requests", help="requests per trace; default per mode"),
+    num_requests: int = typer.Option(0, "--requests", help="timed requests per trace; default per mode"),
+    warmup: Optional[int] = typer.Option(None, "--warmup", help="untimed requests of the same trace served one at "
+                                         "a time before each timed run (steady state); default: quick 0, full 64"),
     max_tokens: int = typer.Option(0, "--max-tokens", help="tokens generated per request; default per mode"),
     k: int = typer.Option(2, "--k", help="documents retrieved per request"),
     zipf: float = typer.Option(1.0, "--zipf", help="Zipf exponent of document popularity"),
@@ -222,6 +231,11 @@ def bench(
     corpus: str = typer.Option("docs", "--corpus", help="full mode corpus: 'docs' (all Python docs) or 'faq'"),
     mmlu: int = typer.Option(300, "--mmlu", help="MMLU questions in the full mode's pool"),
     host_sizes: str = typer.Option("0,32,128", "--ablation-host-mib", help="host-tier sizes of the policy ablation"),
+    policy_sim: Optional[int] = typer.Option(None, "--policy-sim", help="requests of the model-free policy replay on a "
+                                             "stationary and a drifting trace (0: skip); default: quick 0, full 1000"),
+    drift_every: int = typer.Option(100, "--drift-every", help="drifting trace: popularity re-drawn every N requests"),
+    sim_host_sizes: str = typer.Option("0,64,128,256,512,1024", "--sim-host-mib",
+                                       help="host-tier sizes of the policy replay"),
     ours: str = typer.Option("ragcache,no-cache,lru-device", "--ours", help="our systems to run ('' for none)"),
     resume: bool = typer.Option(False, "--resume", help="keep the systems and ablations already in OUT/results.json"),
 ) -> None:
@@ -247,6 +261,8 @@ def bench(
         pool = question_pool(store, k=k, faq=True, mmlu=0, seed=seed)
         model_path, dtype = (model or None), "float32"
         device_mib, host_mib = device_mib or 64, host_mib or 256
+        warmup = 0 if warmup is None else warmup
+        policy_sim = policy_sim or 0
         peer_list: list[str] = []
         ablations = False
     else:
@@ -260,10 +276,14 @@ def bench(
         pool = question_pool(store, k=k, faq=True, mmlu=mmlu, seed=seed, docs_dir=docs)
         model_path, dtype = (model or str(BENCH_DIR / "models" / "smollm2-135m-bf16")), "bfloat16"
         device_mib, host_mib = device_mib or 96, host_mib or 384
+        warmup = 64 if warmup is None else warmup
+        policy_sim = 1000 if policy_sim is None else policy_sim
         peer_list = [p for p in peers.split(",") if p]
-    wl = build_workload(store, pool, num_requests=n, zipf_s=zipf, seed=seed)
-    typer.echo(f"trace: {n} requests, {len(wl.documents)} distinct documents of {wl.corpus_size}; "
-               f"share of requests hitting the top 3% of documents: "
+    if warmup < 0:
+        raise typer.BadParameter("--warmup must be >= 0")
+    wl = build_workload(store, pool, num_requests=warmup + n, zipf_s=zipf, seed=seed, warmup=warmup)
+    typer.echo(f"trace: {warmup} warm-up + {n} timed requests, {len(wl.documents)} distinct documents of "
+               f"{wl.corpus_size}; share of timed requests hitting the top 3% of documents: "
                f"{wl.skew['share_requests_hitting_top_corpus']:.0%} (corpus), "
                f"{wl.skew['share_requests_hitting_top_used']:.0%} (of documents used)")
     typer.echo(f"[{time.perf_counter() - started:6.1f}s] loading the model ...")
@@ -274,52 +294,68 @@ def bench(
     from ragcache_backend.config import EngineConfig
 
     builder = PromptBuilder(loaded.tokenizer, EngineConfig().system_prompt)
-    prompts = [builder.build(r.question, [(wl.documents[d], d) for d in r.doc_ids]) for r in wl.requests]
+    all_prompts = [builder.build(r.question, [(wl.documents[d], d) for d in r.doc_ids]) for r in wl.requests]
+    warm_prompts, prompts = all_prompts[:warmup], all_prompts[warmup:]
+    timed = wl.timed_requests()
     prompt_ids = [[t for s in segs for t in s.token_ids] for segs in prompts]
+    warm_ids = [[t for s in segs for t in s.token_ids] for segs in warm_prompts]
     device_bytes, host_bytes = device_mib * MiB, host_mib * MiB
     common = dict(device_bytes=device_bytes, host_bytes=host_bytes, max_tokens=max_tokens, threads=threads,
-                  max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens, window=window)
+                  max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens, window=window,
+                  warm_prompts=warm_prompts)
     results: dict = {"corpus": "python-docs/faq" if quick or corpus == "faq" else "python-docs", "machine": machine, "mode": "quick" if quick else "full", "model": loaded.name,
                      "model_path": model_path or "packaged GGUF", "dtype": dtype, "threads": threads,
                      "device_mib": device_mib, "host_mib": host_mib, "max_tokens": max_tokens,
-                     "rates": rate_list, "workload": wl.to_json(), "systems": {},
+                     "rates": rate_list, "workload": wl.to_json(), "systems": {}, "records": {},
                      "prompt_tokens_mean": statistics.fmean(len(p) for p in prompt_ids),
                      "scheduler": {"max_batch_size": max_batch_size, "max_batch_tokens": max_batch_tokens,
                                    "window": window}}
     if resume and (out / "results.json").exists():
         old = json.loads((out / "results.json").read_text())
-        for key in ("systems", "policy_ablation", "reorder_ablation", "peer_info"):
+        for key in ("systems", "records", "policy_ablation", "reorder_ablation", "peer_info", "policy_sim"):
             if key in old:
                 results[key] = old[key]
         results["machine"]["previous_runs"] = old.get("machine")
     wanted = {x for x in ours.split(",") if x}
-    for system in [s for s in OUR_SYSTEMS if s.name in wanted]:
-        for rate in rate_list:
-            arrivals = [r.arrival_s(rate) for r in wl.requests]
+    # rates outer, systems inner: slow drifts of this shared machine's speed hit every system alike
+    for rate in rate_list:
+        for system in [s for s in OUR_SYSTEMS if s.name in wanted]:
+            arrivals = [wl.timed_arrival_s(r, rate) for r in timed]
             typer.echo(f"[{time.perf_counter() - started:6.1f}s] {system.name} @ {rate} req/s ...")
             run = run_ours(loaded, profile, prompts, arrivals, system, **common)
             results["systems"].setdefault(system.name, {})[str(rate)] = run["summary"]
+            results["records"].setdefault(system.name, {})[str(rate)] = _compact(run["records"])
             _save(out, results)
     kv_settings = {"paper": device_bytes, "equal-total": device_bytes + host_bytes}
     for peer in peer_list:
         for setting, kv in kv_settings.items():
             typer.echo(f"  {peer} (KV {kv // MiB} MiB, {setting}) ...")
-            arrivals = {rate: [r.arrival_s(rate) for r in wl.requests] for rate in rate_list}
+            arrivals = {rate: [wl.timed_arrival_s(r, rate) for r in timed] for rate in rate_list}
             data = run_peer(peer, Path(model_path), BENCH_DIR / "models" / "smollm2-135m-bf16.gguf", prompt_ids,
                             arrivals, max_tokens=max_tokens, threads=threads, kv_bytes=kv, out_dir=out,
-                            max_num_seqs=max_batch_size, max_batch_tokens=max_batch_tokens)
+                            max_num_seqs=max_batch_size, max_batch_tokens=max_batch_tokens, warmup_ids=warm_ids)
             name = f"{peer} ({setting} KV {kv // MiB} MiB)"
             if "error" in data:
                 results["systems"][name] = {"error": data["error"]}
                 typer.echo(f"    error: {data['error'][:300]}")
             else:
                 results["systems"][name] = data["summaries"]
+                for rate_key, recs in data.get("runs", {}).items():
+                    results["records"].setdefault(name, {})[rate_key] = _compact(recs["records"])
                 results.setdefault("peer_info", {})[name] = data.get("info", {})
             _save(out, results)
     if ablations:
         hosts = [int(x) for x in host_sizes.split(",") if x]
         results["policy_ablation"] = _policy_ablation(loaded, profile, prompts, wl, rate_list, common, out, results, hosts)
         results["reorder_ablation"] = _reorder_ablation(loaded, profile, prompts, wl, rate_list, common, out, results)
+    if policy_sim:
+        typer.echo(f"[{time.perf_counter() - started:6.1f}s] policy replay, {policy_sim} requests ...")
+        results["policy_sim"] = policy_simulation(
+            store, pool, builder, loaded, profile, num_requests=policy_sim, zipf_s=zipf, seed=seed,
+            drift_every=drift_every, device_bytes=device_bytes,
+            host_sizes_bytes=[int(x) * MiB for x in sim_host_sizes.split(",") if x])
+        _save(out, results)
+    results["paired"] = paired_by_hit(results)
     results["slo"] = _slo(results)
     results["elapsed_s"] = time.perf_counter() - started
     results["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
@@ -347,7 +383,7 @@ def _profile(loaded, threads: int, device_mib: int):
 def _policy_ablation(loaded, profile, prompts, wl, rate_list, common, out, results, hosts) -> dict:
     """Hit rate and mean TTFT of PGDSF/GDSF/LRU/LFU across host-tier sizes (RAGCache Table 2)."""
     rate = rate_list[1] if len(rate_list) > 1 else rate_list[0]
-    arrivals = [r.arrival_s(rate) for r in wl.requests]
+    arrivals = [wl.timed_arrival_s(r, rate) for r in wl.timed_requests()]
     table: dict = {"rate": rate, "runs": {}}
     dev = common["device_bytes"]
     for host_mib in hosts:
@@ -366,7 +402,7 @@ def _policy_ablation(loaded, profile, prompts, wl, rate_list, common, out, resul
 def _reorder_ablation(loaded, profile, prompts, wl, rate_list, common, out, results) -> dict:
     """ragcache with and without cache-aware reordering at the highest rate (near saturation)."""
     rate = rate_list[-1]
-    arrivals = [r.arrival_s(rate) for r in wl.requests]
+    arrivals = [wl.timed_arrival_s(r, rate) for r in wl.timed_requests()]
     table: dict = {"rate": rate}
     for reorder in (True, False):
         run = run_ours(loaded, profile, prompts, arrivals, OurSystem("ragcache", reorder=reorder), **common)
@@ -374,6 +410,60 @@ def _reorder_ablation(loaded, profile, prompts, wl, rate_list, common, out, resu
         results["reorder_ablation"] = table
         _save(out, results)
     return table
+
+
+def policy_simulation(store, pool, builder, loaded, profile, *, num_requests: int, zipf_s: float, seed: int,
+                      drift_every: int, device_bytes: int, host_sizes_bytes: list[int]) -> dict:
+    """Token and node hit rates of PGDSF/GDSF/LRU/LFU (RAGCache Table 2's shape) on two long traces
+    from the same question pool: stationary popularity, and popularity re-drawn every
+    ``drift_every`` requests. Model-free replay through the real cache (``bench_policy``)."""
+    from ragcache_backend.bench_policy import policy_table
+    from ragcache_backend.runner import kv_bytes_per_token
+    from ragcache_backend.workload import build_workload
+
+    out: dict = {"requests": num_requests, "device_mib": device_bytes / MiB, "drift_every": drift_every,
+                 "bytes_per_token": kv_bytes_per_token(loaded), "traces": {}}
+    for name, drift in (("stationary", 0), ("drifting", drift_every)):
+        wl = build_workload(store, pool, num_requests=num_requests, zipf_s=zipf_s, seed=seed, drift_every=drift)
+        prompts = [builder.build(r.question, [(wl.documents[d], d) for d in r.doc_ids]) for r in wl.requests]
+        table = policy_table(prompts, profile=profile, device_bytes=device_bytes, host_sizes_bytes=host_sizes_bytes,
+                             bytes_per_token=out["bytes_per_token"])
+        out["traces"][name] = {"distinct_documents": len(wl.documents), "skew": wl.skew,
+                               "hosts_mib": {str(h // MiB): row for h, row in table.items()}}
+    return out
+
+
+def _compact(records: list[dict]) -> list[dict]:
+    """Per-request figures kept in results.json (for the paired analysis)."""
+    keys = ("ttft_s", "prompt_tokens", "cached_tokens", "error")
+    return [{k: r[k] for k in keys if k in r} for r in records]
+
+
+def paired_by_hit(results: dict) -> dict:
+    """Mean TTFT of every system on the *same* requests, split by how much of the prompt ragcache
+    served from its cache (>= 75%: "hit"; < 25%: "miss"), at each rate. Separates what the engine
+    does with a cached prefix from how often the trace lets it hit."""
+    recs = results.get("records", {})
+    ours = recs.get("ragcache", {})
+    out: dict = {}
+    for rate, rc in ours.items():
+        classes: dict[str, list[int]] = {"hit": [], "partial": [], "miss": []}
+        for i, r in enumerate(rc):
+            if "ttft_s" not in r or not r.get("prompt_tokens"):
+                continue
+            frac = r.get("cached_tokens", 0) / r["prompt_tokens"]
+            classes["hit" if frac >= 0.75 else "miss" if frac < 0.25 else "partial"].append(i)
+        row: dict = {}
+        for name, by_rate in recs.items():
+            other = by_rate.get(rate)
+            if not other or len(other) != len(rc):
+                continue
+            for cls, idx in classes.items():
+                vals = [other[i]["ttft_s"] for i in idx if "ttft_s" in other[i]]
+                if vals:
+                    row.setdefault(cls, {"requests": len(idx)})[name] = statistics.fmean(vals)
+        out[rate] = row
+    return out
 
 
 def _slo(results: dict) -> dict:
@@ -439,12 +529,27 @@ def render_report(results: dict) -> str:
         base = slo["throughput_rps"].get("no-cache")
         if base:
             lines.append(f"throughput at SLO: ragcache / no-cache = {slo['throughput_rps'].get('ragcache', 0) / base:.2f}x")
+    for rate, row in (results.get("paired") or {}).items():
+        for cls, vals in row.items():
+            base = vals.get("ragcache")
+            others = ", ".join(f"{k} {v:.3f} s ({v / base:.1f}x)" for k, v in vals.items()
+                               if k not in ("ragcache", "requests") and base)
+            if base:
+                lines.append(f"paired @ {rate} req/s, {vals['requests']} '{cls}' requests: ragcache {base:.3f} s; {others}")
     pa = results.get("policy_ablation")
     if pa:
         lines += ["", f"policy ablation at {pa['rate']} req/s: token hit rate / mean TTFT s"]
         rows = [(h, *(f"{_fmt(p[pol]['token_hit_rate'], 3)} / {_fmt(p[pol]['ttft_mean_s'])}"
                       for pol in ("pgdsf", "gdsf", "lru", "lfu"))) for h, p in pa["runs"].items()]
         lines.append(_table(rows, ("host MiB", "PGDSF", "GDSF", "LRU", "LFU")))
+    ps = results.get("policy_sim")
+    if ps:
+        for trace, t in ps["traces"].items():
+            lines += ["", f"policy replay, {trace} trace ({ps['requests']} requests, {t['distinct_documents']} documents, "
+                      f"device {ps['device_mib']:.0f} MiB): token hit rate (node hit rate)"]
+            rows = [(h, *(f"{row[pol]['token_hit_rate']:.3f} ({row[pol]['node_hit_rate']:.3f})"
+                          for pol in ("pgdsf", "gdsf", "lru", "lfu"))) for h, row in t["hosts_mib"].items()]
+            lines.append(_table(rows, ("host MiB", "PGDSF", "GDSF", "LRU", "LFU")))
     ra = results.get("reorder_ablation")
     if ra and "fifo" in ra:
         lines += ["", f"reordering ablation at {ra['rate']} req/s: mean TTFT reorder "
@@ -493,6 +598,22 @@ def plot(results: dict, out: Path) -> None:
         axes[0].legend()
         fig.tight_layout()
         fig.savefig(out / "policy_ablation.png", dpi=110)
+        plt.close(fig)
+    ps = results.get("policy_sim")
+    if ps:
+        fig, axes = plt.subplots(1, len(ps["traces"]), figsize=(5 * len(ps["traces"]), 4), squeeze=False)
+        for ax, (trace, t) in zip(axes[0], ps["traces"].items()):
+            hosts = list(t["hosts_mib"])
+            for pol in ("pgdsf", "gdsf", "lru", "lfu"):
+                ax.plot([int(h) for h in hosts], [t["hosts_mib"][h][pol]["token_hit_rate"] for h in hosts],
+                        marker="o", label=pol)
+            ax.set_title(f"policy replay, {trace} popularity")
+            ax.set_xlabel("host tier (MiB)")
+            ax.set_ylabel("token hit rate")
+            ax.grid(alpha=0.3)
+        axes[0][0].legend()
+        fig.tight_layout()
+        fig.savefig(out / "policy_replay.png", dpi=110)
         plt.close(fig)
 
 

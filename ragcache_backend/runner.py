@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ragcache_backend.errors import InvalidRequestError
-from ragcache_backend.kernels import apply_rope, attention, rope_cos_sin
+from ragcache_backend.kernels import apply_rope, attention, prefix_causal_bias, rope_cos_sin
 from ragcache_backend.model_loader import LoadedModel
 
 
@@ -159,7 +159,7 @@ class ModelRunner:
         lengths = [len(item.new_tokens) for item in batch]
         if not batch or min(lengths) < 1:
             raise InvalidRequestError("forward needs at least one sequence with at least one new token")
-        ctx_slots, new_slots, positions = [], [], []
+        ctx_slots, new_slots, positions, biases = [], [], [], []
         for item, n in zip(batch, lengths):
             cached = self.slots(item.cached)
             target = self.slots(item.target)
@@ -169,6 +169,8 @@ class ModelRunner:
             new_slots.append(target)
             start = cached.numel()
             positions.append(torch.arange(start, start + n, device=self.device))
+            # causal mask offset by the cached prefix, built once for all layers (decode needs none)
+            biases.append(prefix_causal_bias(n, start + n, self.dtype, self.device) if start and n > 1 else None)
         ids = torch.tensor([t for item in batch for t in item.new_tokens], dtype=torch.int64, device=self.device)
         cos, sin = rope_cos_sin(self._inv_freq, torch.cat(positions), attention_scaling=self._rope_scaling, dtype=self.dtype)
         write = torch.cat(new_slots)
@@ -177,7 +179,7 @@ class ModelRunner:
             offsets.append(offsets[-1] + n)
         h = self._embed(ids)  # [N, hidden]
         for layer_idx, layer in enumerate(self._layers):
-            h = self._layer(layer_idx, layer, h, cos, sin, write, ctx_slots, offsets)
+            h = self._layer(layer_idx, layer, h, cos, sin, write, ctx_slots, offsets, biases)
         if all_logits:
             hidden = [h[offsets[i] : offsets[i + 1]] for i in range(len(batch))]
         else:
@@ -189,7 +191,7 @@ class ModelRunner:
             pos += chunk.shape[0]
         return out
 
-    def _layer(self, idx, layer, h, cos, sin, write, ctx_slots, offsets) -> torch.Tensor:
+    def _layer(self, idx, layer, h, cos, sin, write, ctx_slots, offsets, biases) -> torch.Tensor:
         attn = layer.self_attn
         n = h.shape[0]
         x = layer.input_layernorm(h)
@@ -205,7 +207,8 @@ class ModelRunner:
             if slots is None:  # cold prefill: attend over the fresh K/V directly
                 outs.append(attention(q[lo:hi], k[lo:hi], v[lo:hi], scale=self._scale))
             else:
-                outs.append(attention(q[lo:hi], kc.index_select(0, slots), vc.index_select(0, slots), scale=self._scale))
+                outs.append(attention(q[lo:hi], kc.index_select(0, slots), vc.index_select(0, slots), scale=self._scale,
+                                      mask=biases[i]))
         a = torch.cat(outs) if len(outs) > 1 else outs[0]
         h = h + attn.o_proj(a.reshape(n, self.num_heads * self.head_dim))
         return h + layer.mlp(layer.post_attention_layernorm(h))

@@ -56,12 +56,22 @@ class Workload:
     seed: int
     zipf_s: float
     k: int
+    warmup: int = 0  # the first ``warmup`` requests are served untimed, one at a time (steady state)
     skew: dict = field(default_factory=dict)
+
+    def timed_requests(self) -> list[TraceRequest]:
+        """The requests after the warm-up part, in arrival order."""
+        return self.requests[self.warmup:]
+
+    def timed_arrival_s(self, request: TraceRequest, rate: float) -> float:
+        """Arrival of a timed request, in seconds after the timed part starts, at ``rate`` req/s."""
+        base = self.requests[self.warmup - 1].arrival_units if self.warmup else 0.0
+        return (request.arrival_units - base) / rate
 
     def to_json(self) -> dict:
         return {
             "seed": self.seed, "zipf_s": self.zipf_s, "k": self.k, "corpus_size": self.corpus_size,
-            "num_requests": len(self.requests), "skew": self.skew,
+            "num_requests": len(self.requests), "warmup": self.warmup, "skew": self.skew,
             "sources": dict(Counter(r.source for r in self.requests)),
             "requests": [{"i": r.index, "t_units": round(r.arrival_units, 6), "source": r.source,
                           "question": r.question, "docs": list(r.doc_ids)} for r in self.requests],
@@ -108,8 +118,16 @@ def measure_skew(requests: list[TraceRequest], corpus_size: int, top_share: floa
 
 
 def build_workload(store, pool: list[PoolQuestion], *, num_requests: int, zipf_s: float = 1.0,
-                   seed: int = 0) -> Workload:
-    """Sample ``num_requests`` requests from ``pool`` with Zipf anchor popularity (see module doc)."""
+                   seed: int = 0, warmup: int = 0, drift_every: int = 0) -> Workload:
+    """Sample ``num_requests`` requests from ``pool`` with Zipf anchor popularity (see module doc).
+
+    ``drift_every > 0`` makes popularity drift (topics come and go): every ``drift_every``
+    requests the anchors' Zipf ranks are re-drawn at random. ``0`` keeps one stationary ranking.
+
+    The first ``warmup`` of them form the warm-up part (``Workload.timed_requests`` are the rest);
+    the skew is measured on the timed part. Raises ValueError if ``warmup > num_requests``."""
+    if not 0 <= warmup <= num_requests:
+        raise ValueError(f"warmup must be in [0, num_requests]; got {warmup} of {num_requests}")
     rng = random.Random(seed)
     groups: dict[str, list[PoolQuestion]] = defaultdict(list)
     for q in pool:
@@ -120,6 +138,8 @@ def build_workload(store, pool: list[PoolQuestion], *, num_requests: int, zipf_s
     weights = [1.0 / (rank + 1) ** zipf_s for rank in range(len(anchors))]
     requests, t = [], 0.0
     for i in range(num_requests):
+        if drift_every and i and i % drift_every == 0:
+            rng.shuffle(anchors)
         anchor = rng.choices(anchors, weights)[0]
         q = rng.choice(groups[anchor])
         t += rng.expovariate(1.0)
@@ -127,6 +147,6 @@ def build_workload(store, pool: list[PoolQuestion], *, num_requests: int, zipf_s
     used = {d for r in requests for d in r.doc_ids}
     documents = {d: store.get(d).text for d in used}
     k = max((len(q.doc_ids) for q in pool), default=0)
-    wl = Workload(requests, documents, len(store), seed, zipf_s, k)
-    wl.skew = measure_skew(requests, len(store))
+    wl = Workload(requests, documents, len(store), seed, zipf_s, k, warmup)
+    wl.skew = measure_skew(wl.timed_requests(), len(store))
     return wl

@@ -78,3 +78,51 @@ def test_policy_replay_is_deterministic_and_bounded():
         for r in row.values():
             assert 0.0 < r["token_hit_rate"] < 1.0 and r["requests"] == 200
     assert t1[16 * 200]["pgdsf"]["host_hits"] > 0 and t1[0]["pgdsf"]["host_hits"] == 0
+
+
+def test_warmup_splits_the_trace_and_rebases_arrivals():
+    store, pool = _Store(60), _pool()
+    whole = build_workload(store, pool, num_requests=50, seed=5)
+    wl = build_workload(store, pool, num_requests=50, seed=5, warmup=20)
+    assert [r.question for r in wl.requests] == [r.question for r in whole.requests]  # same trace
+    timed = wl.timed_requests()
+    assert len(timed) == 30 and timed[0].index == 20
+    base = wl.requests[19].arrival_units
+    assert wl.timed_arrival_s(timed[0], 2.0) == pytest.approx((timed[0].arrival_units - base) / 2.0)
+    assert wl.timed_arrival_s(timed[0], 2.0) > 0
+    assert wl.skew == measure_skew(timed, len(store))  # skew of the timed part only
+    assert whole.timed_arrival_s(whole.requests[3], 1.0) == whole.requests[3].arrival_units
+    with pytest.raises(ValueError):
+        build_workload(store, pool, num_requests=5, warmup=6)
+
+
+def test_drift_redraws_popularity_but_keeps_the_stationary_trace():
+    store, pool = _Store(60), _pool()
+    stationary = build_workload(store, pool, num_requests=600, zipf_s=1.2, seed=1)
+    assert [r.question for r in build_workload(store, pool, num_requests=600, zipf_s=1.2, seed=1,
+                                                drift_every=0).requests] == [r.question for r in stationary.requests]
+    drifting = build_workload(store, pool, num_requests=600, zipf_s=1.2, seed=1, drift_every=100)
+
+    def top_anchor(reqs):
+        from collections import Counter
+        return Counter(r.doc_ids[0] for r in reqs).most_common(1)[0][0]
+
+    # stationary: the same document leads every phase; drifting: leaders change between phases
+    assert len({top_anchor(stationary.requests[i:i + 100]) for i in range(0, 600, 100)}) <= 2
+    assert len({top_anchor(drifting.requests[i:i + 100]) for i in range(0, 600, 100)}) >= 4
+
+
+def test_paired_by_hit_compares_the_same_requests():
+    from ragcache_backend.bench import paired_by_hit
+
+    ours = [{"ttft_s": 0.1, "prompt_tokens": 100, "cached_tokens": 90},   # hit
+            {"ttft_s": 0.5, "prompt_tokens": 100, "cached_tokens": 10},   # miss
+            {"ttft_s": 0.2, "prompt_tokens": 100, "cached_tokens": 80},   # hit
+            {"error": "X"}]
+    off = [{"ttft_s": 0.6}, {"ttft_s": 0.55}, {"ttft_s": 1.0}, {"ttft_s": 9.0}]
+    p = paired_by_hit({"records": {"ragcache": {"1.0": ours}, "no-cache": {"1.0": off},
+                                   "short": {"1.0": off[:2]}}})["1.0"]
+    assert p["hit"]["requests"] == 2 and p["hit"]["ragcache"] == pytest.approx(0.15)
+    assert p["hit"]["no-cache"] == pytest.approx(0.8)
+    assert p["miss"] == {"requests": 1, "ragcache": 0.5, "no-cache": 0.55}
+    assert "partial" not in p and all("short" not in row for row in p.values())  # misaligned runs are skipped

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ragcache_backend.kernels import apply_rope, attention, prefix_causal_mask, rerotate, rope_cos_sin
+from ragcache_backend.kernels import apply_rope, attention, prefix_causal_bias, prefix_causal_mask, rerotate, rope_cos_sin
 
 
 def _inv_freq(dim: int, theta: float = 10000.0) -> torch.Tensor:
@@ -71,3 +71,15 @@ def test_attention_arbitrary_mask():
     q, k, v = torch.randn(3, 4, 8), torch.randn(6, 4, 8), torch.randn(6, 4, 8)
     mask = torch.tensor([[1, 0, 1, 0, 0, 0], [0, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
     assert torch.allclose(attention(q, k, v, scale=8**-0.5, mask=mask), _naive(q, k, v, mask), atol=1e-5)
+
+
+def test_prefix_causal_bias_equals_the_boolean_mask():
+    torch.manual_seed(1)
+    t, s = 5, 9
+    q, k, v = torch.randn(t, 4, 8), torch.randn(s, 2, 8), torch.randn(s, 2, 8)
+    bias = prefix_causal_bias(t, s, torch.float32)
+    assert bias.shape == (t, s) and bias.dtype == torch.float32
+    assert torch.equal(bias == 0, prefix_causal_mask(t, s))
+    assert torch.equal(attention(q, k, v, scale=0.3, mask=bias), attention(q, k, v, scale=0.3, mask=prefix_causal_mask(t, s)))
+    with pytest.raises(ValueError):
+        attention(q, k, v, scale=0.3, mask=bias[:, :-1])
