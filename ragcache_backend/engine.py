@@ -202,7 +202,7 @@ class RAGCacheEngine:
         log.info("measuring the prefill profile once (saved to %s)", path)
         self.runner.time_prefill(0, betas[0])  # warm-up
         profile = measure_profile(
-            self.runner.time_prefill, alphas, betas,
+            self.runner.time_prefill, alphas, betas, repeats=3,
             model_fingerprint=self.loaded.fingerprint, dtype=str(self.loaded.dtype), threads=threads,
         )
         profile.save(path)

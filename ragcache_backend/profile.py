@@ -199,14 +199,20 @@ def measure_profile(
 
     ``prefill_fn(alpha, beta)`` runs one prefill of ``beta`` new tokens after ``alpha`` cached
     ones and returns its wall time in seconds; each grid point keeps the minimum over
-    ``repeats`` calls (the least noisy estimate of the true cost).
+    ``repeats`` calls (the least noisy estimate of the true cost). The grid is then made
+    non-decreasing along both axes (a running maximum over beta, then over alpha): more tokens
+    never cost less, so a point measured during a slow spell cannot make a larger prefill look
+    cheaper than a smaller one.
     """
     if repeats < 1:
         raise InvalidRequestError(f"repeats must be >= 1, got {repeats}")
     alphas_t = _check_axis("alphas", alphas)
     betas_t = _check_axis("betas", betas)
-    times = tuple(
-        tuple(min(float(prefill_fn(a, b)) for _ in range(repeats)) for b in betas_t)
-        for a in alphas_t
-    )
+    grid = [[min(float(prefill_fn(a, b)) for _ in range(repeats)) for b in betas_t] for a in alphas_t]
+    for row in grid:  # non-decreasing in beta
+        for j in range(1, len(row)):
+            row[j] = max(row[j], row[j - 1])
+    for i in range(1, len(grid)):  # non-decreasing in alpha
+        grid[i] = [max(x, y) for x, y in zip(grid[i], grid[i - 1])]
+    times = tuple(tuple(row) for row in grid)
     return PrefillProfile(alphas_t, betas_t, times, model_fingerprint, dtype, threads)

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from ragcache_backend.bench import percentile, summarize
+from ragcache_backend.bench_report import percentile, summarize
 from ragcache_backend.bench_policy import policy_table
 from ragcache_backend.profile import PrefillProfile
 from ragcache_backend.prompt import Segment, SegmentKind
@@ -113,7 +113,7 @@ def test_drift_redraws_popularity_but_keeps_the_stationary_trace():
 
 
 def test_paired_by_hit_compares_the_same_requests():
-    from ragcache_backend.bench import paired_by_hit
+    from ragcache_backend.bench_report import paired_by_hit
 
     ours = [{"ttft_s": 0.1, "prompt_tokens": 100, "cached_tokens": 90},   # hit
             {"ttft_s": 0.5, "prompt_tokens": 100, "cached_tokens": 10},   # miss

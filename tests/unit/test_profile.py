@@ -168,3 +168,15 @@ def test_measure_profile_takes_min_over_repeats() -> None:
     assert (p.model_fingerprint, p.dtype, p.threads) == ("fp", "float32", 2)
     with pytest.raises(InvalidRequestError):
         measure_profile(prefill, repeats=0)
+
+
+def test_measure_profile_is_made_monotone() -> None:
+    # a slow spell at (alpha=0, beta=256) and at (alpha=512, beta=32): hand-computed running maxima
+    measured = {(0, 32): 0.07, (0, 256): 6.0, (0, 1024): 1.6,
+                (512, 32): 3.0, (512, 256): 0.37, (512, 1024): 1.8,
+                (1536, 32): 0.15, (1536, 256): 0.53, (1536, 1024): 2.2}
+    p = measure_profile(lambda a, b: measured[(a, b)], alphas=(0, 512, 1536), betas=(32, 256, 1024))
+    assert p.times == ((0.07, 6.0, 6.0), (3.0, 6.0, 6.0), (3.0, 6.0, 6.0))
+    clean = {k: 0.001 * k[1] + 0.0001 * k[0] for k in measured}  # already monotone: unchanged
+    q = measure_profile(lambda a, b: clean[(a, b)], alphas=(0, 512, 1536), betas=(32, 256, 1024))
+    assert q.times == tuple(tuple(clean[(a, b)] for b in (32, 256, 1024)) for a in (0, 512, 1536))
