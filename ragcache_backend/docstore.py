@@ -7,19 +7,18 @@ speculative pipelining): the search runs in stages and yields the current top-k 
 last stage equal to a plain :meth:`DocumentStore.search`.
 
 On disk a store is a folder of ``documents.jsonl``, ``index.faiss`` (Faiss' own format, never
-pickle) and ``manifest.json`` with the sha256 of both; every file is written atomically.
+pickle) and ``manifest.json`` with the sha256 of both, written and verified by
+:mod:`ragcache_backend.docstore_io`.
 """
 
 from __future__ import annotations
 
 import enum
 import hashlib
-import json
 import logging
 import math
 import os
 import threading
-import uuid
 from collections.abc import Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,8 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from ragcache_backend.documents import CHUNKER_VERSION, Document, content_id, corpus_files, load_corpus
+from ragcache_backend.docstore_io import MANIFEST, read_store, write_store
+from ragcache_backend.documents import CHUNKER_VERSION, Document, corpus_files, load_corpus
 from ragcache_backend.embedder import DEFAULT_EMBEDDER_NAME, Embedder
 from ragcache_backend.errors import CorpusError, CorruptFileError, EmptyQueryError, InvalidRequestError
 
@@ -36,11 +36,7 @@ __all__ = ["DocumentStore", "IndexKind", "ScoredDocument", "build_index", "corpu
 
 log = logging.getLogger(__name__)
 
-FORMAT = "ragcache-docstore"
-FORMAT_VERSION = 1
-MANIFEST, DOCUMENTS, INDEX = "manifest.json", "documents.jsonl", "index.faiss"
 _EMBED_CHUNK = 256  # texts per embedder call while building (progress granularity)
-_FIELDS = ("doc_id", "text", "source", "title")  # one JSON object per line of documents.jsonl
 _TIE_MARGIN = 8  # extra candidates fetched so that score ties at rank k break the same way
 
 
@@ -223,27 +219,16 @@ class DocumentStore:
 
     # -- persistence -------------------------------------------------------------------------
     def save(self, directory: Path, *, corpus_fingerprint: str | None = None) -> None:
-        """Write the store to ``directory`` (created if needed), each file atomically."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
+        """Write the store to ``directory`` (created if needed), each file atomically
+        (:func:`~ragcache_backend.docstore_io.write_store`)."""
         if corpus_fingerprint is not None:
             self.corpus_fingerprint = corpus_fingerprint
         with self._lock:
-            lines = (json.dumps({f: getattr(d, f) for f in _FIELDS}, ensure_ascii=False) + "\n"
-                     for d in self._documents)
-            payloads = {DOCUMENTS: "".join(lines).encode("utf-8"),
-                        INDEX: faiss.serialize_index(self._index).tobytes()}
-            manifest = {
-                "format": FORMAT, "format_version": FORMAT_VERSION,
-                "embedder": self._embedder.name, "dim": int(self._index.d), "count": len(self),
-                "index_kind": self._kind.value, "nprobe": self._nprobe,
-                "corpus_fingerprint": self.corpus_fingerprint,
-                "files": {name: {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-                          for name, data in payloads.items()},
-            }
-        for name, data in payloads.items():
-            _write_atomic(directory / name, data)
-        _write_atomic(directory / MANIFEST, json.dumps(manifest, indent=2).encode("utf-8"))
+            documents, index_bytes = list(self._documents), faiss.serialize_index(self._index).tobytes()
+            fields = {"embedder": self._embedder.name, "dim": int(self._index.d), "count": len(documents),
+                      "index_kind": self._kind.value, "nprobe": self._nprobe,
+                      "corpus_fingerprint": self.corpus_fingerprint}
+        write_store(directory, documents, index_bytes, fields)
 
     @classmethod
     def load(cls, directory: Path, *, embedder: Embedder | None = None) -> DocumentStore:
@@ -254,9 +239,7 @@ class DocumentStore:
         built with (without ``embedder`` the default model is used and must be the one recorded).
         """
         directory = Path(directory)
-        manifest = _read_manifest(directory / MANIFEST)
-        documents = _parse_documents(directory / DOCUMENTS, manifest)
-        index = _parse_index(directory / INDEX, manifest)
+        manifest, documents, index = read_store(directory)
         if embedder is None:
             if manifest["embedder"] != DEFAULT_EMBEDDER_NAME:
                 raise InvalidRequestError(f"store {directory} was built with embedder "
@@ -309,110 +292,6 @@ def _embed_all(embedder: Embedder, texts: list[str], progress: bool) -> np.ndarr
             parts.append(embedder.embed(texts[start:start + _EMBED_CHUNK]))
             bar.update(len(parts[-1]))
     return np.ascontiguousarray(np.concatenate(parts), dtype=np.float32)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write to a unique temporary file beside ``path``, fsync, then rename over ``path``."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")  # honours the umask, unlike mkstemp
-    try:
-        with open(tmp, "xb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _read(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        raise CorruptFileError(f"{path}: missing (document store incomplete)") from None
-    except OSError as exc:
-        raise CorruptFileError(f"{path}: cannot read: {exc}") from exc
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _read_manifest(path: Path) -> dict:
-    try:
-        manifest = json.loads(_read(path))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CorruptFileError(f"{path}: not valid JSON: {exc}") from exc
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CorruptFileError(f"{path}: not a ragcache document store manifest")
-    m, files = manifest.get, manifest.get("files")
-    valid = {
-        "format_version": m("format_version") == FORMAT_VERSION,
-        "embedder": isinstance(m("embedder"), str),
-        "dim": _is_int(m("dim")) and m("dim") >= 1,
-        "count": _is_int(m("count")) and m("count") >= 1,
-        "index_kind": m("index_kind") in {"flat", "ivf"},
-        "nprobe": m("nprobe") is None if m("index_kind") == "flat" else _is_int(m("nprobe")) and m("nprobe") >= 1,
-        "corpus_fingerprint": m("corpus_fingerprint") is None or isinstance(m("corpus_fingerprint"), str),
-        "files": isinstance(files, dict) and all(
-            isinstance(files.get(name), dict) and isinstance(files[name].get("sha256"), str)
-            and _is_int(files[name].get("bytes")) for name in (DOCUMENTS, INDEX)),
-    }
-    if not all(valid.values()):
-        bad = ", ".join(key for key, ok in valid.items() if not ok)
-        raise CorruptFileError(f"{path}: missing or invalid field(s): {bad} (format {FORMAT_VERSION})")
-    return manifest
-
-
-def _read_checked(path: Path, manifest: dict) -> bytes:
-    """The file's bytes after checking its size and sha256 against the manifest."""
-    expected = manifest["files"][path.name]
-    data = _read(path)
-    if len(data) != expected["bytes"]:
-        raise CorruptFileError(f"{path}: {len(data)} bytes, manifest says {expected['bytes']} "
-                               "(truncated or modified)")
-    if hashlib.sha256(data).hexdigest() != expected["sha256"]:
-        raise CorruptFileError(f"{path}: sha256 does not match the manifest (file modified)")
-    return data
-
-
-def _parse_documents(path: Path, manifest: dict) -> list[Document]:
-    try:
-        lines = _read_checked(path, manifest).decode("utf-8").splitlines()
-    except UnicodeDecodeError as exc:
-        raise CorruptFileError(f"{path}: not UTF-8: {exc}") from exc
-    documents = []
-    for number, line in enumerate(lines, 1):
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise CorruptFileError(f"{path}:{number}: not valid JSON: {exc}") from exc
-        if not isinstance(row, dict) or not all(isinstance(row.get(f), str) for f in _FIELDS):
-            raise CorruptFileError(f"{path}:{number}: expected an object with string fields {_FIELDS}")
-        if row["doc_id"] != content_id(row["text"]):
-            raise CorruptFileError(f"{path}:{number}: doc_id is not the content hash of the text")
-        documents.append(Document(*(row[f] for f in _FIELDS)))
-    if len({d.doc_id for d in documents}) != manifest["count"] or len(documents) != manifest["count"]:
-        raise CorruptFileError(f"{path}: {len(documents)} documents (or repeated ids), "
-                               f"manifest says {manifest['count']}")
-    return documents
-
-
-def _parse_index(path: Path, manifest: dict) -> faiss.Index:
-    data = _read_checked(path, manifest)
-    try:
-        index = faiss.deserialize_index(np.frombuffer(data, dtype=np.uint8))
-    except RuntimeError as exc:
-        raise CorruptFileError(f"{path}: not a readable Faiss index: {str(exc)[:200]}") from exc
-    kind = faiss.IndexIVFFlat if manifest["index_kind"] == IndexKind.IVF else faiss.IndexFlatIP
-    if (not isinstance(index, kind) or index.metric_type != faiss.METRIC_INNER_PRODUCT
-            or (index.ntotal, index.d) != (manifest["count"], manifest["dim"])
-            or (kind is faiss.IndexIVFFlat and manifest["nprobe"] > index.nlist)):
-        raise CorruptFileError(
-            f"{path}: {type(index).__name__} of {index.ntotal} x {index.d} does not match the "
-            f"manifest ({manifest['index_kind']}, inner product, {manifest['count']} x "
-            f"{manifest['dim']}, nprobe {manifest['nprobe']})")
-    return index
 
 
 # -- corpus -> persisted store ----------------------------------------------------------------
