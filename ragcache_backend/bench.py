@@ -68,6 +68,7 @@ def run_ours(loaded, profile, prompts, arrivals, system: OurSystem, *, device_by
     time, untimed, one token each, so the timed part sees the cache in its steady state."""
     from ragcache_backend.config import EngineConfig
     from ragcache_backend.engine import RAGCacheEngine
+    from ragcache_backend.prompt import cacheable_lead
     from ragcache_backend.sampling import SamplingParams
     from ragcache_backend.scheduler import SchedulerConfig
     from ragcache_backend.serving import ServingEngine
@@ -95,7 +96,7 @@ def run_ours(loaded, profile, prompts, arrivals, system: OurSystem, *, device_by
         records = []
         for h, segs in zip(handles, prompts):
             # cacheable segments on the request's path (system prompt + documents): the node-hit denominator
-            rec = {"cache_nodes": sum(1 for s in segs[:-1] if s.cacheable)}
+            rec = {"cache_nodes": len(cacheable_lead(segs))}
             try:
                 r = h.result(timeout=3600)
             except Exception as exc:  # reported, never dropped
@@ -258,11 +259,10 @@ def bench(
     from ragcache_backend.config import EngineConfig
 
     builder = PromptBuilder(loaded.tokenizer, EngineConfig().system_prompt)
-    all_prompts = [builder.build(r.question, [(wl.documents[d], d) for d in r.doc_ids]) for r in wl.requests]
+    all_prompts = _trace_prompts(builder, wl)
     warm_prompts, prompts = all_prompts[:warmup], all_prompts[warmup:]
     timed = wl.timed_requests()
-    prompt_ids = [[t for s in segs for t in s.token_ids] for segs in prompts]
-    warm_ids = [[t for s in segs for t in s.token_ids] for segs in warm_prompts]
+    prompt_ids, warm_ids = _token_ids(prompts), _token_ids(warm_prompts)
     device_bytes, host_bytes = device_mib * MiB, host_mib * MiB
     common = dict(device_bytes=device_bytes, host_bytes=host_bytes, max_tokens=max_tokens, threads=threads,
                   max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens, window=window,
@@ -334,6 +334,16 @@ def bench(
             typer.echo(f"plots skipped: {exc!r}")
 
 
+def _trace_prompts(builder, wl) -> list:
+    """Every request of the trace as prompt segments (system, its documents in rank order, question)."""
+    return [builder.build(r.question, [(wl.documents[d], d) for d in r.doc_ids]) for r in wl.requests]
+
+
+def _token_ids(prompts) -> list[list[int]]:
+    """The token ids of each prompt, concatenated (what the peers receive)."""
+    return [[t for seg in segs for t in seg.token_ids] for segs in prompts]
+
+
 def _profile(loaded, threads: int, device_mib: int):
     """PGDSF needs a prefill profile: measured once per model/dtype/threads, cached on disk."""
     from ragcache_backend.config import EngineConfig
@@ -389,7 +399,7 @@ def policy_simulation(store, pool, builder, loaded, profile, *, num_requests: in
                  "bytes_per_token": kv_bytes_per_token(loaded), "traces": {}}
     for name, drift in (("stationary", 0), ("drifting", drift_every)):
         wl = build_workload(store, pool, num_requests=num_requests, zipf_s=zipf_s, seed=seed, drift_every=drift)
-        prompts = [builder.build(r.question, [(wl.documents[d], d) for d in r.doc_ids]) for r in wl.requests]
+        prompts = _trace_prompts(builder, wl)
         table = policy_table(prompts, profile=profile, device_bytes=device_bytes, host_sizes_bytes=host_sizes_bytes,
                              bytes_per_token=out["bytes_per_token"])
         out["traces"][name] = {"distinct_documents": len(wl.documents), "skew": wl.skew,

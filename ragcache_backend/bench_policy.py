@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ragcache_backend.blocks import blocks_for
+from ragcache_backend.prompt import cacheable_lead
 from ragcache_backend.tiers import TieredCache
 
 
@@ -45,13 +46,9 @@ def replay(prompts, *, policy: str, profile, device_bytes: int, host_bytes: int,
     num_blocks = device_bytes // (bytes_per_token * block_size)
     cache = TieredCache(num_blocks, block_size, host_bytes, _CountingMover(bytes_per_token), policy=policy,
                         profile=profile if policy == "pgdsf" else None)
-    total = cached = docs = 0
+    total = cached = 0
     for segs in prompts:
-        lead = []
-        for s in segs[:-1]:
-            if not s.cacheable:
-                break
-            lead.append(s)
+        lead = cacheable_lead(segs)
         acq = cache.acquire(cache.match([s.key for s in lead]))
         path = list(acq.nodes)
         pending = [(s, cache.allocate(blocks_for(len(s), block_size))) for s in lead[len(path):]]
@@ -68,7 +65,6 @@ def replay(prompts, *, policy: str, profile, device_bytes: int, host_bytes: int,
         cache.free(tail_blocks)
         total += alpha + beta
         cached += alpha
-        docs += sum(1 for s in segs if s.doc_id is not None)
     cache.check_invariants()
     st = cache.stats
     nodes = st.device_hits + st.host_hits + st.misses

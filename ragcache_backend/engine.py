@@ -41,7 +41,7 @@ from ragcache_backend.errors import (
 from ragcache_backend.knowledge_tree import Node
 from ragcache_backend.model_loader import LoadedModel, load_model
 from ragcache_backend.profile import DEFAULT_ALPHAS, DEFAULT_BETAS, PrefillProfile, measure_profile
-from ragcache_backend.prompt import PromptBuilder, Segment
+from ragcache_backend.prompt import PromptBuilder, Segment, cacheable_lead
 from ragcache_backend.runner import ForwardInput, KVRun, ModelRunner, kv_bytes_per_token
 from ragcache_backend.sampling import SamplingParams, sample_token
 from ragcache_backend.streaming import IncrementalText, adrain, drain
@@ -432,11 +432,7 @@ class RAGCacheEngine:
         segs = req.segments
         rest = segs
         if req.use_cache:
-            lead = []
-            for s in segs[:-1]:  # the last segment is always computed: it yields the first token
-                if not s.cacheable:
-                    break
-                lead.append(s)
+            lead = cacheable_lead(segs)
             req.acquired = self.cache.acquire(self.cache.match([s.key for s in lead]))
             req.path = list(req.acquired.nodes)
             for s in lead[len(req.path):]:

@@ -75,6 +75,17 @@ class Segment:
         return len(self.token_ids)
 
 
+def cacheable_lead(segments: Sequence[Segment]) -> list[Segment]:
+    """The segments served from and inserted into the knowledge tree: the leading run of cacheable
+    segments, never the last segment (it is always computed: it yields the first token)."""
+    lead: list[Segment] = []
+    for s in segments[:-1]:
+        if not s.cacheable:
+            break
+        lead.append(s)
+    return lead
+
+
 class PromptBuilder:
     """Turns ``(system prompt, documents, question)`` into segments with the model's chat template.
 

@@ -36,7 +36,7 @@ import torch
 
 from ragcache_backend.engine import GenerationResult, RAGCacheEngine, StreamChunk, _Request
 from ragcache_backend.errors import CacheBudgetError, InvalidRequestError, RAGCacheError, RequestCancelledError
-from ragcache_backend.prompt import Segment
+from ragcache_backend.prompt import Segment, cacheable_lead
 from ragcache_backend.sampling import SamplingParams, sample_token
 from ragcache_backend.scheduler import Scheduler, SchedulerConfig
 from ragcache_backend.streaming import IncrementalText, adrain
@@ -236,12 +236,7 @@ class ServingEngine:
         rid = next(self._ids)
         handle = RequestHandle(rid, self)
         use = self.engine.config.enable_cache if use_cache is None else use_cache
-        lead = []
-        if use:
-            for s in segments[:-1]:
-                if not s.cacheable:
-                    break
-                lead.append(s.key)
+        lead = [s.key for s in cacheable_lead(segments)] if use else []
         live = _Live(rid, handle, list(segments), sampling, use, dropped, on_text or (lambda _t: None), lead)
         self._inbox.put(("add", live))
         return handle
