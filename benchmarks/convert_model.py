@@ -31,7 +31,7 @@ def convert_hf(out: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ragcache_backend.model_loader import default_model_path
+    from ragcache_backend.model.loader import default_model_path
 
     gguf_path = default_model_path()
     target = out / "smollm2-135m-bf16"
@@ -55,7 +55,7 @@ def convert_gguf(out: Path) -> Path:
     import gguf
     import torch
 
-    from ragcache_backend.model_loader import default_model_path
+    from ragcache_backend.model.loader import default_model_path
 
     target = out / "smollm2-135m-bf16.gguf"
     if target.exists():

@@ -2,7 +2,7 @@
 
     <venv>/bin/python benchmarks/peer_runner.py JOB.json OUT.json
 
-JOB (written by ``ragcache_backend.bench.run_peer``): ``peer`` ("vllm" or "llamacpp"),
+JOB (written by ``ragcache_backend.bench.bench.run_peer``): ``peer`` ("vllm" or "llamacpp"),
 ``model_dir`` (bf16 HF folder), ``gguf`` (the same weights as a bf16 GGUF), ``prompts`` (token
 ids, identical to what our engine computes), ``arrivals`` ({rate: [seconds]}), ``max_tokens``,
 ``threads``, ``kv_bytes`` (the KV budget given to the peer), ``warmup`` (token ids served one at a

@@ -21,8 +21,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from ragcache_backend.model_loader import load_model
-from ragcache_backend.runner import ForwardInput, KVRun, ModelRunner
+from ragcache_backend.model.loader import load_model
+from ragcache_backend.model.runner import ForwardInput, KVRun, ModelRunner
 
 
 def main() -> None:

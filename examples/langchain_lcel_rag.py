@@ -24,7 +24,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
 from langchain_core.runnables import Runnable, RunnablePassthrough  # noqa: E402
 
-from ragcache_backend.datasets import faq_questions, python_docs_dir  # noqa: E402
+from ragcache_backend.demo.datasets import faq_questions, python_docs_dir  # noqa: E402
 from ragcache_integrations.langchain import ChatRAGCache, RAGCacheRetriever  # noqa: E402
 
 PROMPT = ChatPromptTemplate.from_messages([("human", (

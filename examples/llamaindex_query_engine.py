@@ -25,8 +25,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from llama_index.core import VectorStoreIndex  # noqa: E402
 from llama_index.core.base.base_query_engine import BaseQueryEngine  # noqa: E402
 
-from ragcache_backend.datasets import faq_questions, python_docs_dir  # noqa: E402
-from ragcache_backend.docstore import DocumentStore  # noqa: E402
+from ragcache_backend.demo.datasets import faq_questions, python_docs_dir  # noqa: E402
+from ragcache_backend.retrieval.docstore import DocumentStore  # noqa: E402
 from ragcache_integrations import default_store  # noqa: E402
 from ragcache_integrations.llamaindex import (  # noqa: E402
     CacheUsageRecorder,

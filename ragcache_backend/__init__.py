@@ -15,23 +15,26 @@ __all__ = [
     "RAGCacheEngine",
     "SamplingParams",
     "StreamChunk",
+    "build_index",
 ]
 __version__ = "0.1.0"
 
 _WHERE = {
-    "DocumentStore": "ragcache_backend.docstore",
+    "DocumentStore": "ragcache_backend.retrieval.docstore",
     "EngineConfig": "ragcache_backend.config",
-    "GenerationResult": "ragcache_backend.engine",
-    "RAGCacheEngine": "ragcache_backend.engine",
-    "SamplingParams": "ragcache_backend.sampling",
-    "StreamChunk": "ragcache_backend.engine",
+    "GenerationResult": "ragcache_backend.engine.engine",
+    "RAGCacheEngine": "ragcache_backend.engine.engine",
+    "SamplingParams": "ragcache_backend.model.sampling",
+    "StreamChunk": "ragcache_backend.engine.engine",
+    "build_index": "ragcache_backend.retrieval.docstore",
 }
 
 if TYPE_CHECKING:
     from ragcache_backend.config import EngineConfig
-    from ragcache_backend.docstore import DocumentStore
-    from ragcache_backend.engine import GenerationResult, RAGCacheEngine, StreamChunk
-    from ragcache_backend.sampling import SamplingParams
+    from ragcache_backend.retrieval.docstore import DocumentStore
+    from ragcache_backend.engine.engine import GenerationResult, RAGCacheEngine, StreamChunk
+    from ragcache_backend.model.sampling import SamplingParams
+    from ragcache_backend.retrieval.docstore import build_index
 
 
 def __getattr__(name: str) -> Any:

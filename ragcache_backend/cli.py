@@ -64,15 +64,15 @@ def _quiet_loaders() -> None:
 
 def _engine(model: Optional[str], dtype: str, threads: int, policy: str = "pgdsf", store=None):
     from ragcache_backend.config import EngineConfig
-    from ragcache_backend.engine import RAGCacheEngine
+    from ragcache_backend.engine.engine import RAGCacheEngine
 
     with err.status("loading the model (and, the first time, measuring its prefill profile)..."):
         return RAGCacheEngine(EngineConfig(model=model, dtype=dtype, threads=threads, policy=policy), store=store)
 
 
 def _store(corpus: Optional[Path], *, rebuild: bool = False):
-    from ragcache_backend.datasets import python_docs_dir
-    from ragcache_backend.docstore import build_index
+    from ragcache_backend.demo.datasets import python_docs_dir
+    from ragcache_backend.retrieval.docstore import build_index
 
     _quiet_loaders()
     corpus = corpus if corpus is not None else python_docs_dir()
@@ -93,7 +93,7 @@ def index(
 ) -> None:
     """Chunk, embed and index a folder (stored under $RAGCACHE_HOME/indexes)."""
     with _user_errors():
-        from ragcache_backend.docstore import default_store_dir
+        from ragcache_backend.retrieval.docstore import default_store_dir
 
         store = _store(corpus, rebuild=rebuild)
         out.print(f"{len(store)} chunks indexed ({store.index_kind.value}) in {default_store_dir(corpus)}")
@@ -114,7 +114,7 @@ def ask(
     """Answer one question from the top-k retrieved documents."""
     with _user_errors():
         from ragcache_backend.errors import EmptyQueryError
-        from ragcache_backend.sampling import SamplingParams
+        from ragcache_backend.model.sampling import SamplingParams
 
         if not question.strip():
             raise EmptyQueryError("the question is empty")
@@ -159,8 +159,8 @@ def demo(
 ) -> None:
     """Real FAQ questions over the Python docs, with and without the cache (mean TTFT and ratio)."""
     with _user_errors():
-        from ragcache_backend.datasets import faq_questions, python_docs_dir
-        from ragcache_backend.demo import run_demo, write_report
+        from ragcache_backend.demo.datasets import faq_questions, python_docs_dir
+        from ragcache_backend.demo.demo import run_demo, write_report
 
         _precheck(corpus, model)
         docs_root = python_docs_dir()
@@ -191,7 +191,7 @@ def demo(
 
 def _register_optional() -> None:
     with contextlib.suppress(ImportError):
-        from ragcache_backend.bench import bench
+        from ragcache_backend.bench.bench import bench
 
         app.command(name="bench")(bench)
 

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ragcache_backend.prompt import DEFAULT_SYSTEM_PROMPT
+from ragcache_backend.prompts.builder import DEFAULT_SYSTEM_PROMPT
 
 MiB = 1024 * 1024
 
@@ -19,7 +19,7 @@ def ragcache_home() -> Path:
 
 
 class EngineConfig(BaseModel):
-    """Configuration of :class:`ragcache_backend.engine.RAGCacheEngine`."""
+    """Configuration of :class:`ragcache_backend.engine.engine.RAGCacheEngine`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -13,12 +13,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ragcache_backend.engine import RAGCacheEngine
+from ragcache_backend.engine.engine import RAGCacheEngine
 from ragcache_backend.errors import InvalidRequestError
-from ragcache_backend.model_loader import DEFAULT_MODEL_NAME
-from ragcache_backend.prompt import Segment
-from ragcache_backend.recognition import ChatTurn, DocumentRecognizer, PromptSegmenter, SegmentedPrompt
-from ragcache_backend.sampling import SamplingParams
+from ragcache_backend.model.loader import DEFAULT_MODEL_NAME
+from ragcache_backend.prompts.builder import Segment
+from ragcache_backend.prompts.recognition import ChatTurn, DocumentRecognizer, PromptSegmenter, SegmentedPrompt
+from ragcache_backend.model.sampling import SamplingParams
 from ragcache_integrations._runtime import Generation, default_engine, segmenter
 
 __all__ = ["CALL_OVERRIDES", "CompletionParams", "RAGCacheParams"]

@@ -3,7 +3,7 @@
 * the **default engine** (embedded SmolLM2, built lazily, once per process, thread-safe) for
   adapters given no engine, and **default document stores** (one per corpus folder, the Python
   documentation by default);
-* the process-wide :class:`~ragcache_backend.recognition.DocumentRecognizer`: every store our
+* the process-wide :class:`~ragcache_backend.prompts.recognition.DocumentRecognizer`: every store our
   retrievers search (and the store of every engine our models use) is watched by it, so the
   documents they return are recognised in any prompt that later reaches one of our models;
 * :class:`Generation`: one request (segments + sampling) run on an engine with a ``timeout`` and
@@ -24,12 +24,12 @@ from typing import Generic, TypeVar
 from tenacity import AsyncRetrying, Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from ragcache_backend.config import EngineConfig
-from ragcache_backend.docstore import DocumentStore, build_index
-from ragcache_backend.engine import GenerationResult, RAGCacheEngine, StreamChunk
+from ragcache_backend.retrieval.docstore import DocumentStore, build_index
+from ragcache_backend.engine.engine import GenerationResult, RAGCacheEngine, StreamChunk
 from ragcache_backend.errors import CacheBudgetError, InvalidRequestError, RAGCacheError, RequestCancelledError
-from ragcache_backend.prompt import Segment
-from ragcache_backend.recognition import DocumentRecognizer, PromptSegmenter
-from ragcache_backend.sampling import SamplingParams
+from ragcache_backend.prompts.builder import Segment
+from ragcache_backend.prompts.recognition import DocumentRecognizer, PromptSegmenter
+from ragcache_backend.model.sampling import SamplingParams
 
 __all__ = ["GenerationTimeoutError", "TRANSIENT_ERRORS", "UnsupportedContentError", "Generation",
            "default_engine", "default_store", "known_documents", "segmenter"]
@@ -79,10 +79,10 @@ def default_engine() -> RAGCacheEngine:
 def default_store(corpus_dir: Path | str | None = None) -> DocumentStore:
     """The document store of ``corpus_dir`` (default: the Python documentation), one per process.
 
-    Built with :func:`~ragcache_backend.docstore.build_index`, so it is persisted and reloaded
+    Built with :func:`~ragcache_backend.retrieval.docstore.build_index`, so it is persisted and reloaded
     while the corpus is unchanged. Raises CorpusError for a missing or empty corpus.
     """
-    from ragcache_backend.datasets import python_docs_dir
+    from ragcache_backend.demo.datasets import python_docs_dir
 
     folder = Path(corpus_dir).resolve() if corpus_dir is not None else python_docs_dir()
     with _STORES_LOCK:

@@ -14,8 +14,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 import torch
 
-from ragcache_backend.model_loader import LoadedModel, default_device, load_model
-from ragcache_backend.profile import PrefillProfile
+from ragcache_backend.model.loader import LoadedModel, default_device, load_model
+from ragcache_backend.cache.profile import PrefillProfile
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
@@ -61,7 +61,7 @@ def tiny_model(real_model: LoadedModel) -> LoadedModel:
 @pytest.fixture(scope="session")
 def faq_dir():
     """The Python FAQ folder (a small real corpus); skipped when python3.11-doc is absent."""
-    from ragcache_backend.datasets import PYTHON_DOCS_DIR
+    from ragcache_backend.demo.datasets import PYTHON_DOCS_DIR
 
     path = PYTHON_DOCS_DIR / "faq"
     if not path.is_dir():
@@ -72,6 +72,6 @@ def faq_dir():
 @pytest.fixture(scope="session")
 def faq_store(faq_dir, tmp_path_factory):
     """A DocumentStore over the Python FAQ, built once per session."""
-    from ragcache_backend.docstore import build_index
+    from ragcache_backend.retrieval.docstore import build_index
 
     return build_index(faq_dir, tmp_path_factory.mktemp("faq-index"), progress=False)

@@ -3,7 +3,7 @@
 Swap it into an existing chain (``... | prompt | ChatRAGCache() | StrOutputParser()``) and
 nothing else changes: the messages the prompt template produced are rendered with the model's
 chat template, the documents known to our stores are found inside them
-(:mod:`ragcache_backend.recognition`) and their KV is served from the knowledge tree.
+(:mod:`ragcache_backend.prompts.recognition`) and their KV is served from the knowledge tree.
 ``usage_metadata["input_token_details"]["cache_read"]`` counts the prompt tokens that were reused.
 
 Text content only: image, audio, file and tool-call content is refused with
@@ -23,8 +23,8 @@ from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import Field
 
-from ragcache_backend.engine import GenerationResult, StreamChunk
-from ragcache_backend.recognition import ChatTurn
+from ragcache_backend.engine.engine import GenerationResult, StreamChunk
+from ragcache_backend.prompts.recognition import ChatTurn
 from ragcache_integrations._params import RAGCacheParams
 from ragcache_integrations._runtime import Generation, UnsupportedContentError
 
@@ -88,7 +88,7 @@ def response_metadata(result: GenerationResult, model_name: str) -> dict[str, An
 
 
 class ChatRAGCache(RAGCacheParams, BaseChatModel):
-    """LangChain chat model over a :class:`~ragcache_backend.engine.RAGCacheEngine`.
+    """LangChain chat model over a :class:`~ragcache_backend.engine.engine.RAGCacheEngine`.
 
     Example:
         ```python

@@ -18,7 +18,7 @@ from langchain_core.outputs import Generation as LCGeneration
 from langchain_core.outputs import GenerationChunk, LLMResult
 from pydantic import Field
 
-from ragcache_backend.engine import GenerationResult, StreamChunk
+from ragcache_backend.engine.engine import GenerationResult, StreamChunk
 from ragcache_integrations._params import CompletionParams
 from ragcache_integrations._runtime import Generation
 from ragcache_integrations.langchain.chat_models import response_metadata, usage_metadata
@@ -27,7 +27,7 @@ __all__ = ["RAGCacheLLM"]
 
 
 class RAGCacheLLM(CompletionParams, BaseLLM):
-    """LangChain LLM (string in, string out) over a :class:`~ragcache_backend.engine.RAGCacheEngine`."""
+    """LangChain LLM (string in, string out) over a :class:`~ragcache_backend.engine.engine.RAGCacheEngine`."""
 
     streaming: bool = Field(default=False, description="stream tokens even from invoke() (callbacks see them)")
 

@@ -17,7 +17,7 @@ from langchain_core.documents import Document as LCDocument
 from langchain_core.retrievers import BaseRetriever
 from pydantic import ConfigDict, Field
 
-from ragcache_backend.docstore import DocumentStore, ScoredDocument
+from ragcache_backend.retrieval.docstore import DocumentStore, ScoredDocument
 from ragcache_backend.errors import InvalidRequestError
 from ragcache_integrations._runtime import default_store, known_documents
 
@@ -33,7 +33,7 @@ def to_langchain_document(hit: ScoredDocument) -> LCDocument:
 
 
 class RAGCacheRetriever(BaseRetriever):
-    """Top-``k`` documents from a :class:`~ragcache_backend.docstore.DocumentStore`.
+    """Top-``k`` documents from a :class:`~ragcache_backend.retrieval.docstore.DocumentStore`.
 
     Example:
         ```python

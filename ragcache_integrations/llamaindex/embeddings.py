@@ -9,13 +9,13 @@ from __future__ import annotations
 from llama_index.core.base.embeddings.base import BaseEmbedding, Embedding
 from pydantic import ConfigDict, Field, PrivateAttr
 
-from ragcache_backend.embedder import DEFAULT_EMBEDDER_NAME, Embedder
+from ragcache_backend.retrieval.embedder import DEFAULT_EMBEDDER_NAME, Embedder
 
 __all__ = ["RAGCacheEmbedding"]
 
 
 class RAGCacheEmbedding(BaseEmbedding):
-    """L2-normalised sentence embeddings from a ragcache :class:`~ragcache_backend.embedder.Embedder`."""
+    """L2-normalised sentence embeddings from a ragcache :class:`~ragcache_backend.retrieval.embedder.Embedder`."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True, protected_namespaces=())
 

@@ -30,8 +30,8 @@ from llama_index.core.base.llms.types import (
 )
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
-from ragcache_backend.engine import GenerationResult, StreamChunk
-from ragcache_backend.recognition import ChatTurn
+from ragcache_backend.engine.engine import GenerationResult, StreamChunk
+from ragcache_backend.prompts.recognition import ChatTurn
 from ragcache_integrations._params import CompletionParams
 from ragcache_integrations._runtime import Generation, UnsupportedContentError
 
@@ -74,7 +74,7 @@ def raw_usage(result: GenerationResult) -> dict[str, Any]:
 
 
 class RAGCacheLLM(CompletionParams, CustomLLM):
-    """LlamaIndex LLM over a :class:`~ragcache_backend.engine.RAGCacheEngine` (a chat model).
+    """LlamaIndex LLM over a :class:`~ragcache_backend.engine.engine.RAGCacheEngine` (a chat model).
 
     Example:
         ```python

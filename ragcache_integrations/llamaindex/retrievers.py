@@ -15,8 +15,8 @@ from llama_index.core.callbacks import CallbackManager
 from llama_index.core.schema import Document as LlamaDocument
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
-from ragcache_backend.docstore import DocumentStore, ScoredDocument
-from ragcache_backend.documents import Document
+from ragcache_backend.retrieval.docstore import DocumentStore, ScoredDocument
+from ragcache_backend.retrieval.documents import Document
 from ragcache_backend.errors import InvalidRequestError
 from ragcache_integrations._runtime import default_store, known_documents
 
@@ -53,7 +53,7 @@ def to_llama_documents(documents: Iterable[Document]) -> list[LlamaDocument]:
 
 
 class RAGCacheRetriever(BaseRetriever):
-    """Top-``k`` documents of a :class:`~ragcache_backend.docstore.DocumentStore` as ``NodeWithScore``.
+    """Top-``k`` documents of a :class:`~ragcache_backend.retrieval.docstore.DocumentStore` as ``NodeWithScore``.
 
     Args:
         store: the store to search; None = the store of ``corpus_dir``, built or loaded on first use.

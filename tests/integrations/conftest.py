@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from ragcache_backend.config import EngineConfig
-from ragcache_backend.engine import RAGCacheEngine
+from ragcache_backend.engine.engine import RAGCacheEngine
 
 MiB = 1024 * 1024
 
@@ -26,6 +26,6 @@ def engine(real_model, fixed_profile, faq_store) -> RAGCacheEngine:
 @pytest.fixture(scope="session")
 def faq_questions(faq_dir) -> list[str]:
     """Real questions: the FAQ's own question headings."""
-    from ragcache_backend.datasets import faq_questions
+    from ragcache_backend.demo.datasets import faq_questions
 
     return faq_questions(faq_dir.parent)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import ragcache_backend.recognition
+import ragcache_backend.prompts.recognition
 import ragcache_integrations
 import ragcache_integrations.langchain
 import ragcache_integrations.llamaindex
@@ -18,11 +18,11 @@ def test_public_api_is_pinned() -> None:
         "CacheUsageRecorder", "RAGCacheEmbedding", "RAGCacheLLM", "RAGCacheQueryEngine", "RAGCacheRetriever",
         "to_llama_documents",
     ]
-    assert ragcache_backend.recognition.__all__ == [
+    assert ragcache_backend.prompts.recognition.__all__ == [
         "ANCHOR_CHARS", "ChatTurn", "DocumentRecognizer", "PromptSegmenter", "RecognizedSpan", "SegmentedPrompt",
     ]
     for module in (ragcache_integrations, ragcache_integrations.langchain, ragcache_integrations.llamaindex,
-                   ragcache_backend.recognition):
+                   ragcache_backend.prompts.recognition):
         assert all(hasattr(module, name) for name in module.__all__)
 
 

@@ -14,9 +14,9 @@ from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate, PromptTemplate
 from langchain_core.runnables import RunnableLambda, RunnablePassthrough
 
-from ragcache_backend.documents import Document
+from ragcache_backend.retrieval.documents import Document
 from ragcache_backend.errors import InvalidRequestError
-from ragcache_backend.recognition import DocumentRecognizer
+from ragcache_backend.prompts.recognition import DocumentRecognizer
 from ragcache_integrations import GenerationTimeoutError, UnsupportedContentError
 from ragcache_integrations.langchain import ChatRAGCache, RAGCacheLLM, RAGCacheRetriever
 from tests.integrations.rag_prompts import CUSTOM_RAG_PROMPT, RLM_RAG_PROMPT, format_docs

@@ -1,4 +1,4 @@
-"""Document recognition and prompt segmentation (ragcache_backend.recognition).
+"""Document recognition and prompt segmentation (ragcache_backend.prompts.recognition).
 
 The recognizer tests use synthetic and real FAQ documents and no model. The segmentation tests
 use the real default tokenizer and measure the tokenizer boundary effect on real RAG prompts:
@@ -16,10 +16,10 @@ import time
 
 import pytest
 
-from ragcache_backend.documents import Document, load_corpus
+from ragcache_backend.retrieval.documents import Document, load_corpus
 from ragcache_backend.errors import InvalidRequestError
-from ragcache_backend.prompt import PromptBuilder, SegmentKind
-from ragcache_backend.recognition import (
+from ragcache_backend.prompts.builder import PromptBuilder, SegmentKind
+from ragcache_backend.prompts.recognition import (
     ANCHOR_CHARS,
     ChatTurn,
     DocumentRecognizer,
@@ -111,7 +111,7 @@ def test_watched_store_documents_are_indexed_lazily() -> None:
 
 def test_find_is_one_pass_over_a_large_index(faq_dir) -> None:
     """Indexing the whole Python documentation (~9.5k documents) keeps find() per prompt fast."""
-    from ragcache_backend.datasets import python_docs_dir
+    from ragcache_backend.demo.datasets import python_docs_dir
 
     docs = load_corpus(python_docs_dir())
     rec = DocumentRecognizer(docs)

@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from ragcache_backend.engine import GenerationResult, StreamChunk
+from ragcache_backend.engine.engine import GenerationResult, StreamChunk
 from ragcache_backend.errors import CacheBudgetError, InvalidRequestError, RequestCancelledError
-from ragcache_backend.prompt import Segment, SegmentKind
-from ragcache_backend.sampling import SamplingParams
+from ragcache_backend.prompts.builder import Segment, SegmentKind
+from ragcache_backend.model.sampling import SamplingParams
 from ragcache_integrations import GenerationTimeoutError, known_documents
 from ragcache_integrations._params import RAGCacheParams
 from ragcache_integrations._runtime import Generation, _Lazy

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from ragcache_backend.config import EngineConfig
-from ragcache_backend.demo import run_demo
-from ragcache_backend.engine import RAGCacheEngine
-from ragcache_backend.sampling import SamplingParams
+from ragcache_backend.demo.demo import run_demo
+from ragcache_backend.engine.engine import RAGCacheEngine
+from ragcache_backend.model.sampling import SamplingParams
 from tests.unit.test_engine import first_logits
 
 pytestmark = pytest.mark.model
@@ -54,7 +54,7 @@ def test_real_model_matches_transformers_forward(engine):
 
 
 def test_demo_protocol_on_the_faq(engine, faq_store, faq_dir):
-    from ragcache_backend.datasets import faq_questions
+    from ragcache_backend.demo.datasets import faq_questions
 
     report = run_demo(engine, faq_store, faq_questions(faq_dir.parent), k=3, num_questions=3, max_tokens=16, seed=1)
     assert len(report.records) == 3

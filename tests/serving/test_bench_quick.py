@@ -13,7 +13,7 @@ def test_bench_quick_runs_and_writes_json(tmp_path, faq_dir):
     typer = pytest.importorskip("typer")
     from typer.testing import CliRunner
 
-    from ragcache_backend.bench import bench
+    from ragcache_backend.bench.bench import bench
 
     app = typer.Typer()
     app.command()(bench)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ragcache_backend.errors import InvalidRequestError
-from ragcache_backend.scheduler import Scheduler, SchedulerConfig, order_priority
+from ragcache_backend.engine.scheduler import Scheduler, SchedulerConfig, order_priority
 
 
 def test_order_priority_is_cached_over_computed():

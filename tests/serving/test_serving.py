@@ -9,11 +9,11 @@ import random
 import pytest
 
 from ragcache_backend.config import EngineConfig
-from ragcache_backend.engine import RAGCacheEngine
+from ragcache_backend.engine.engine import RAGCacheEngine
 from ragcache_backend.errors import CacheBudgetError, RequestCancelledError
-from ragcache_backend.sampling import SamplingParams
-from ragcache_backend.scheduler import SchedulerConfig
-from ragcache_backend.serving import EngineClosedError, ServingEngine
+from ragcache_backend.model.sampling import SamplingParams
+from ragcache_backend.engine.scheduler import SchedulerConfig
+from ragcache_backend.engine.serving import EngineClosedError, ServingEngine
 
 DOCS = [
     f"Document {i}: the {w} module of the standard library handles {w} tasks; see section {i * 7} "

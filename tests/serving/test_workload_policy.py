@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from ragcache_backend.bench_report import percentile, summarize
-from ragcache_backend.bench_policy import policy_table
-from ragcache_backend.profile import PrefillProfile
-from ragcache_backend.prompt import Segment, SegmentKind
-from ragcache_backend.workload import PoolQuestion, build_workload, measure_skew, TraceRequest
+from ragcache_backend.bench.report import percentile, summarize
+from ragcache_backend.bench.policy_replay import policy_table
+from ragcache_backend.cache.profile import PrefillProfile
+from ragcache_backend.prompts.builder import Segment, SegmentKind
+from ragcache_backend.bench.workload import PoolQuestion, build_workload, measure_skew, TraceRequest
 
 
 class _Store:
@@ -113,7 +113,7 @@ def test_drift_redraws_popularity_but_keeps_the_stationary_trace():
 
 
 def test_paired_by_hit_compares_the_same_requests():
-    from ragcache_backend.bench_report import paired_by_hit
+    from ragcache_backend.bench.report import paired_by_hit
 
     ours = [{"ttft_s": 0.1, "prompt_tokens": 100, "cached_tokens": 90},   # hit
             {"ttft_s": 0.5, "prompt_tokens": 100, "cached_tokens": 10},   # miss

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from ragcache_backend import datasets
-from ragcache_backend.datasets import (
+from ragcache_backend.demo import datasets
+from ragcache_backend.demo.datasets import (
     PYTHON_DOCS_DIR,
     MMLUQuestion,
     faq_questions,

@@ -10,15 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ragcache_backend.docstore import (
+from ragcache_backend.retrieval.docstore import (
     DocumentStore,
     IndexKind,
     build_index,
     corpus_fingerprint,
     default_store_dir,
 )
-from ragcache_backend.documents import Document
-from ragcache_backend.embedder import Embedder
+from ragcache_backend.retrieval.documents import Document
+from ragcache_backend.retrieval.embedder import Embedder
 from ragcache_backend.errors import CorpusError, CorruptFileError, EmptyQueryError, InvalidRequestError
 
 TOPICS = {

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from ragcache_backend.documents import (
+from ragcache_backend.retrieval.documents import (
     Document,
     content_id,
     corpus_files,

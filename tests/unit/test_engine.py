@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ragcache_backend.config import EngineConfig
-from ragcache_backend.engine import RAGCacheEngine, _Request
+from ragcache_backend.engine.engine import RAGCacheEngine, _Request
 from ragcache_backend.errors import (
     CacheBudgetError,
     ContextWindowError,
@@ -20,9 +20,9 @@ from ragcache_backend.errors import (
     InvalidRequestError,
     RequestCancelledError,
 )
-from ragcache_backend.prompt import SegmentKind
-from ragcache_backend.runner import kv_bytes_per_token
-from ragcache_backend.sampling import SamplingParams
+from ragcache_backend.prompts.builder import SegmentKind
+from ragcache_backend.model.runner import kv_bytes_per_token
+from ragcache_backend.model.sampling import SamplingParams
 
 DOCS = [
     "The global interpreter lock (GIL) lets one thread run Python bytecode at a time. " * 6,
@@ -220,7 +220,7 @@ def test_stop_strings_and_sampling(engine):
 
 
 def test_bfloat16_runs_and_reuses(tiny_model, fixed_profile):
-    from ragcache_backend.model_loader import LoadedModel
+    from ragcache_backend.model.loader import LoadedModel
 
     import copy
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ragcache_backend.kernels import apply_rope, attention, prefix_causal_bias, prefix_causal_mask, rerotate, rope_cos_sin
+from ragcache_backend.model.kernels import apply_rope, attention, prefix_causal_bias, prefix_causal_mask, rerotate, rope_cos_sin
 
 
 def _inv_freq(dim: int, theta: float = 10000.0) -> torch.Tensor:

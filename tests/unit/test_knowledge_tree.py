@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from ragcache_backend.errors import InvalidRequestError
-from ragcache_backend.knowledge_tree import KnowledgeTree, Node, SegmentKey, TierName
+from ragcache_backend.cache.knowledge_tree import KnowledgeTree, Node, SegmentKey, TierName
 
 S, D1, D2, D3 = (SegmentKey(k) for k in ("sys", "d1", "d2", "d3"))
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from ragcache_backend.errors import ModelLoadError
-from ragcache_backend.model_loader import default_model_path, load_model, parse_dtype
+from ragcache_backend.model.loader import default_model_path, load_model, parse_dtype
 
 
 @pytest.fixture(scope="module")
@@ -20,8 +20,8 @@ def tiny_folder(tiny_model, tmp_path_factory):
 
 def test_load_hf_folder_and_generate(tiny_folder, fixed_profile):
     from ragcache_backend.config import EngineConfig
-    from ragcache_backend.engine import RAGCacheEngine
-    from ragcache_backend.sampling import SamplingParams
+    from ragcache_backend.engine.engine import RAGCacheEngine
+    from ragcache_backend.model.sampling import SamplingParams
 
     loaded = load_model(tiny_folder)
     assert loaded.name == tiny_folder.name and loaded.context_window == 2048

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from ragcache_backend.errors import UnknownPolicyError
-from ragcache_backend.policy import POLICIES, NodeStats, get_policy
+from ragcache_backend.cache.policy import POLICIES, NodeStats, get_policy
 
 STATS = NodeStats(frequency=3, avg_cost=0.002, num_tokens=400, last_access=17)
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from ragcache_backend.errors import CorruptFileError, InvalidRequestError
-from ragcache_backend.profile import (
+from ragcache_backend.cache.profile import (
     DEFAULT_ALPHAS,
     DEFAULT_BETAS,
     PrefillProfile,
@@ -134,7 +134,7 @@ def test_truncated_or_garbage_file_is_corrupt(tmp_path: Path) -> None:
 
 def test_wrong_schema_with_valid_checksum_is_corrupt(tmp_path: Path) -> None:
     # a self-consistent file (checksum matches) whose grid is invalid
-    from ragcache_backend.profile import _digest
+    from ragcache_backend.cache.profile import _digest
 
     payload = {"alphas": [0], "betas": [1, 2], "times": [[1.0, 2.0]],
                "model_fingerprint": None, "dtype": None, "threads": None}

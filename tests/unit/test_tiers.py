@@ -5,11 +5,11 @@ from collections.abc import Sequence
 
 import pytest
 
-from ragcache_backend.blocks import BlockAllocator, blocks_for
+from ragcache_backend.cache.blocks import BlockAllocator, blocks_for
 from ragcache_backend.errors import CacheBudgetError, InvalidRequestError, UnknownPolicyError
-from ragcache_backend.knowledge_tree import Node, SegmentKey, TierName
-from ragcache_backend.profile import PrefillProfile
-from ragcache_backend.tiers import TieredCache
+from ragcache_backend.cache.knowledge_tree import Node, SegmentKey, TierName
+from ragcache_backend.cache.profile import PrefillProfile
+from ragcache_backend.cache.tiers import TieredCache
 from tests.unit.sim_mover import SimulatedMover
 
 DEV, HOST = TierName.DEVICE, TierName.HOST

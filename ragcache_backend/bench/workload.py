@@ -88,7 +88,7 @@ def mmlu_prompt(question) -> str:
 def question_pool(store, *, k: int, faq: bool = True, mmlu: int = 0, seed: int = 0,
                   docs_dir=None) -> list[PoolQuestion]:
     """Retrieve top-``k`` once for every FAQ question and ``mmlu`` sampled MMLU questions."""
-    from ragcache_backend.datasets import faq_questions, mmlu_questions
+    from ragcache_backend.demo.datasets import faq_questions, mmlu_questions
 
     texts: list[tuple[str, str]] = []
     if faq:

@@ -1,7 +1,7 @@
 """Replacement-policy hit rates on a long trace (RAGCache Table 2's shape), without the model.
 
 Hit rate depends only on which nodes the policy keeps, not on how fast the forward pass runs, so
-this replays a trace through the real :class:`~ragcache_backend.tiers.TieredCache` (same
+this replays a trace through the real :class:`~ragcache_backend.cache.tiers.TieredCache` (same
 knowledge tree, PGDSF/GDSF/LRU/LFU, swap-out-once, budgets) with a KV mover that copies nothing.
 Requests run one at a time as the engine runs them: match + acquire, allocate the missing
 documents and the tail, insert, ``record_request(alpha, beta)``, release, free. PGDSF costs come
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ragcache_backend.blocks import blocks_for
-from ragcache_backend.prompt import cacheable_lead
-from ragcache_backend.tiers import TieredCache
+from ragcache_backend.cache.blocks import blocks_for
+from ragcache_backend.prompts.builder import cacheable_lead
+from ragcache_backend.cache.tiers import TieredCache
 
 
 @dataclass(slots=True)

@@ -102,7 +102,7 @@ def run_demo(engine, store, questions: Sequence[str], *, k: int, num_questions: 
 
     ``progress(i, total, label)`` is called before each request when given.
     """
-    from ragcache_backend.sampling import SamplingParams
+    from ragcache_backend.model.sampling import SamplingParams
 
     hits = [store.search(q, k) for q in questions]
     ids = [[h.document.doc_id for h in hs] for hs in hits]

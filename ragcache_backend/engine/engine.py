@@ -2,7 +2,7 @@
 
 One request runs as (RAGCache §5.1):
 
-1. **admit** — segment the prompt (:mod:`ragcache_backend.prompt`), match its leading cacheable
+1. **admit** — segment the prompt (:mod:`ragcache_backend.prompts.builder`), match its leading cacheable
    segments in the knowledge tree, lock and bring the matched nodes to device, allocate device
    blocks for every segment still to compute;
 2. **prefill** — one forward over the non-cached tokens on top of the cached prefix KV;
@@ -29,23 +29,24 @@ from typing import Literal
 
 import torch
 
-from ragcache_backend.blocks import blocks_for
+from ragcache_backend.cache.blocks import blocks_for
 from ragcache_backend.config import EngineConfig, ragcache_home
-from ragcache_backend.documents import Document, content_id
+from ragcache_backend.retrieval.documents import Document, content_id
 from ragcache_backend.errors import (
     CacheBudgetError,
     ContextWindowError,
     InvalidRequestError,
     RequestCancelledError,
 )
-from ragcache_backend.knowledge_tree import Node
-from ragcache_backend.model_loader import LoadedModel, load_model
-from ragcache_backend.profile import DEFAULT_ALPHAS, DEFAULT_BETAS, PrefillProfile, measure_profile
-from ragcache_backend.prompt import PromptBuilder, Segment, cacheable_lead
-from ragcache_backend.runner import ForwardInput, KVRun, ModelRunner, kv_bytes_per_token
-from ragcache_backend.sampling import SamplingParams, sample_token
-from ragcache_backend.streaming import IncrementalText, adrain, drain
-from ragcache_backend.tiers import AcquiredPrefix, TieredCache
+from ragcache_backend.cache.knowledge_tree import Node
+from ragcache_backend.model.loader import LoadedModel, load_model
+from ragcache_backend.cache.profile import DEFAULT_ALPHAS, DEFAULT_BETAS, PrefillProfile, measure_profile
+from ragcache_backend.prompts.builder import PromptBuilder, Segment, cacheable_lead
+from ragcache_backend.model.runner import ForwardInput, KVRun, ModelRunner, kv_bytes_per_token
+from ragcache_backend.model.sampling import SamplingParams, sample_token
+from ragcache_backend.engine.streaming import adrain, drain
+from ragcache_backend.prompts.detokenizer import IncrementalText
+from ragcache_backend.cache.tiers import AcquiredPrefix, TieredCache
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ class RAGCacheEngine:
         loaded: an already loaded model (shares weights between engines, e.g. cache on/off).
         profile: a prefill profile for PGDSF; by default loaded from ``profile_path`` or measured
             once per model/dtype/device/threads (about 15 s for the default model) and saved.
-        store: a :class:`~ragcache_backend.docstore.DocumentStore` for :meth:`ask`.
+        store: a :class:`~ragcache_backend.retrieval.docstore.DocumentStore` for :meth:`ask`.
 
     Raises:
         ModelLoadError: the model cannot be loaded.

@@ -31,7 +31,7 @@ from typing import Optional
 
 import typer
 
-from ragcache_backend.bench_report import (compact_records, paired_by_hit, plot, render_report,
+from ragcache_backend.bench.report import (compact_records, paired_by_hit, plot, render_report,
                                           slo_throughput, summarize)
 
 MiB = 1024 * 1024
@@ -67,11 +67,11 @@ def run_ours(loaded, profile, prompts, arrivals, system: OurSystem, *, device_by
     The cache starts empty; ``warm_prompts`` (the trace's warm-up part) are then served one at a
     time, untimed, one token each, so the timed part sees the cache in its steady state."""
     from ragcache_backend.config import EngineConfig
-    from ragcache_backend.engine import RAGCacheEngine
-    from ragcache_backend.prompt import cacheable_lead
-    from ragcache_backend.sampling import SamplingParams
-    from ragcache_backend.scheduler import SchedulerConfig
-    from ragcache_backend.serving import ServingEngine
+    from ragcache_backend.engine.engine import RAGCacheEngine
+    from ragcache_backend.prompts.builder import cacheable_lead
+    from ragcache_backend.model.sampling import SamplingParams
+    from ragcache_backend.engine.scheduler import SchedulerConfig
+    from ragcache_backend.engine.serving import ServingEngine
 
     cfg = EngineConfig(dtype=_dtype_name(loaded), threads=threads, block_size=block_size,
                        device_budget_bytes=device_bytes, host_budget_bytes=host_bytes if system.host else 0,
@@ -205,10 +205,10 @@ def bench(
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
-    from ragcache_backend.datasets import python_docs_dir
-    from ragcache_backend.docstore import build_index
-    from ragcache_backend.model_loader import load_model
-    from ragcache_backend.workload import build_workload, question_pool
+    from ragcache_backend.demo.datasets import python_docs_dir
+    from ragcache_backend.retrieval.docstore import build_index
+    from ragcache_backend.model.loader import load_model
+    from ragcache_backend.bench.workload import build_workload, question_pool
 
     torch.set_num_threads(threads)
     out.mkdir(parents=True, exist_ok=True)
@@ -255,7 +255,7 @@ def bench(
     loaded = load_model(model_path, dtype=dtype)
     profile = _profile(loaded, threads, device_mib)
     typer.echo(f"[{time.perf_counter() - started:6.1f}s] model and prefill profile ready")
-    from ragcache_backend.prompt import PromptBuilder
+    from ragcache_backend.prompts.builder import PromptBuilder
     from ragcache_backend.config import EngineConfig
 
     builder = PromptBuilder(loaded.tokenizer, EngineConfig().system_prompt)
@@ -347,7 +347,7 @@ def _token_ids(prompts) -> list[list[int]]:
 def _profile(loaded, threads: int, device_mib: int):
     """PGDSF needs a prefill profile: measured once per model/dtype/threads, cached on disk."""
     from ragcache_backend.config import EngineConfig
-    from ragcache_backend.engine import RAGCacheEngine
+    from ragcache_backend.engine.engine import RAGCacheEngine
 
     eng = RAGCacheEngine(EngineConfig(dtype=_dtype_name(loaded), threads=threads, device_budget_bytes=device_mib * MiB,
                                       host_budget_bytes=0), loaded=loaded)
@@ -391,9 +391,9 @@ def policy_simulation(store, pool, builder, loaded, profile, *, num_requests: in
     """Token and node hit rates of PGDSF/GDSF/LRU/LFU (RAGCache Table 2's shape) on two long traces
     from the same question pool: stationary popularity, and popularity re-drawn every
     ``drift_every`` requests. Model-free replay through the real cache (``bench_policy``)."""
-    from ragcache_backend.bench_policy import policy_table
-    from ragcache_backend.runner import kv_bytes_per_token
-    from ragcache_backend.workload import build_workload
+    from ragcache_backend.bench.policy_replay import policy_table
+    from ragcache_backend.model.runner import kv_bytes_per_token
+    from ragcache_backend.bench.workload import build_workload
 
     out: dict = {"requests": num_requests, "device_mib": device_bytes / MiB, "drift_every": drift_every,
                  "bytes_per_token": kv_bytes_per_token(loaded), "traces": {}}

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ragcache_backend.documents import parse_rst_sections
+from ragcache_backend.retrieval.documents import parse_rst_sections
 from ragcache_backend.errors import CorpusError, CorruptFileError, InvalidRequestError
 
 __all__ = ["MMLUQuestion", "PYTHON_DOCS_DIR", "faq_questions", "mmlu_path", "mmlu_questions",

@@ -24,7 +24,7 @@ from the knowledge tree. Two steps:
    tokens can therefore depend on the character just before or after it; that is harmless,
    because a knowledge-tree node is keyed by its tokens *and* the exact path before it.
    Against a single tokenisation of the whole rendered prompt the only possible differences are
-   at template/content edges, exactly as for :class:`~ragcache_backend.prompt.PromptBuilder`;
+   at template/content edges, exactly as for :class:`~ragcache_backend.prompts.builder.PromptBuilder`;
    ``tests/integrations/test_recognition.py`` measures them (0 tokens on real RAG prompts with the
    default model's ChatML template).
 
@@ -45,9 +45,9 @@ import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ragcache_backend.documents import Document
+from ragcache_backend.retrieval.documents import Document
 from ragcache_backend.errors import InvalidRequestError
-from ragcache_backend.prompt import PromptBuilder, Segment, SegmentKind
+from ragcache_backend.prompts.builder import PromptBuilder, Segment, SegmentKind
 
 __all__ = ["ANCHOR_CHARS", "ChatTurn", "DocumentRecognizer", "PromptSegmenter", "RecognizedSpan",
            "SegmentedPrompt"]

@@ -7,9 +7,7 @@ final: never half a character, never the start of a stop string that may still c
 
 from __future__ import annotations
 
-import asyncio
-import queue
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -53,26 +51,3 @@ class IncrementalText:
         delta = final[len(self.emitted) :]
         self.emitted = final
         return delta
-
-
-def drain(out: queue.Queue) -> Iterator:
-    """Yield stream chunks put on ``out`` by a worker thread until the one carrying ``result``;
-    an exception put on the queue is raised in the consumer."""
-    while True:
-        item = out.get()
-        if isinstance(item, BaseException):
-            raise item
-        yield item
-        if item.result is not None:
-            return
-
-
-async def adrain(out: asyncio.Queue) -> AsyncIterator:
-    """Async form of :func:`drain`."""
-    while True:
-        item = await out.get()
-        if isinstance(item, BaseException):
-            raise item
-        yield item
-        if item.result is not None:
-            return

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ragcache_backend.errors import EmptyQueryError, InvalidRequestError
-from ragcache_backend.knowledge_tree import SegmentKey
+from ragcache_backend.cache.knowledge_tree import SegmentKey
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are a helpful assistant. Answer the question using the documents in the user's message. "

@@ -1,7 +1,7 @@
 """Async serving engine: many concurrent requests, continuous batching, cache-aware reordering.
 
-One background thread owns the :class:`~ragcache_backend.engine.RAGCacheEngine`'s runner and
-:class:`~ragcache_backend.tiers.TieredCache` (neither is thread-safe). Callers on any thread or
+One background thread owns the :class:`~ragcache_backend.engine.engine.RAGCacheEngine`'s runner and
+:class:`~ragcache_backend.cache.tiers.TieredCache` (neither is thread-safe). Callers on any thread or
 event loop :meth:`ServingEngine.submit` requests and get a :class:`RequestHandle` (a
 ``concurrent.futures.Future`` that is also awaitable); :meth:`ServingEngine.astream` streams text.
 
@@ -9,7 +9,7 @@ Each loop iteration (one forward step):
 
 1. take new requests and cancellations from the inbox;
 2. refresh every pending request's cached/computed token estimate (knowledge-tree match, O(depth))
-   and ask the :class:`~ragcache_backend.scheduler.Scheduler` for a plan;
+   and ask the :class:`~ragcache_backend.engine.scheduler.Scheduler` for a plan;
 3. admit the planned prefills with the engine's own step (``_admit``: match, acquire, allocate);
    a request whose blocks are held by running requests waits for the next step;
 4. run **one** ``runner.forward`` over all admitted prefills and all running decodes;
@@ -34,12 +34,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ragcache_backend.engine import GenerationResult, RAGCacheEngine, StreamChunk, _Request
+from ragcache_backend.engine.engine import GenerationResult, RAGCacheEngine, StreamChunk, _Request
 from ragcache_backend.errors import CacheBudgetError, InvalidRequestError, RAGCacheError, RequestCancelledError
-from ragcache_backend.prompt import Segment, cacheable_lead
-from ragcache_backend.sampling import SamplingParams, sample_token
-from ragcache_backend.scheduler import Scheduler, SchedulerConfig
-from ragcache_backend.streaming import IncrementalText, adrain
+from ragcache_backend.prompts.builder import Segment, cacheable_lead
+from ragcache_backend.model.sampling import SamplingParams, sample_token
+from ragcache_backend.engine.scheduler import Scheduler, SchedulerConfig
+from ragcache_backend.engine.streaming import adrain
+from ragcache_backend.prompts.detokenizer import IncrementalText
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from ragcache_backend.documents import Document, content_id
+from ragcache_backend.retrieval.documents import Document, content_id
 from ragcache_backend.errors import CorruptFileError
 
 __all__ = ["DOCUMENTS", "FORMAT", "FORMAT_VERSION", "INDEX", "MANIFEST", "read_store", "write_store"]

@@ -8,7 +8,7 @@ matching walks children by segment key and stops at the first missing or non-res
 O(h) for a tree of height h.
 
 This module is plain bookkeeping: where a node's KV lives (device block ids, an opaque host
-handle) is recorded here but moved and freed by :mod:`ragcache_backend.tiers`. Not thread-safe:
+handle) is recorded here but moved and freed by :mod:`ragcache_backend.cache.tiers`. Not thread-safe:
 callers serialize access.
 """
 
@@ -20,7 +20,7 @@ from enum import StrEnum
 from typing import NewType
 
 from ragcache_backend.errors import InvalidRequestError
-from ragcache_backend.policy import NodeStats
+from ragcache_backend.cache.policy import NodeStats
 
 __all__ = ["TierName", "SegmentKey", "Node", "KnowledgeTree"]
 

@@ -10,7 +10,7 @@ computed once can be attended to by any later request whose path reaches it (RAG
 Several sequences run in one forward (continuous batching): the linear layers see all their new
 tokens concatenated, attention runs per sequence over its own gathered context.
 
-The runner also implements :class:`ragcache_backend.tiers.KVMover` (swap out to host, swap in).
+The runner also implements :class:`ragcache_backend.cache.tiers.KVMover` (swap out to host, swap in).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from ragcache_backend.errors import InvalidRequestError
-from ragcache_backend.kernels import apply_rope, attention, prefix_causal_bias, rope_cos_sin
-from ragcache_backend.model_loader import LoadedModel
+from ragcache_backend.model.kernels import apply_rope, attention, prefix_causal_bias, rope_cos_sin
+from ragcache_backend.model.loader import LoadedModel
 
 
 @dataclass(slots=True, frozen=True)
@@ -84,7 +84,7 @@ class ModelRunner:
     """Runs prefill and decode for Llama-family models over a paged device KV arena.
 
     Args:
-        loaded: model + tokenizer from :func:`ragcache_backend.model_loader.load_model`.
+        loaded: model + tokenizer from :func:`ragcache_backend.model.loader.load_model`.
         num_device_blocks: size of the device arena, in blocks.
         block_size: tokens per block.
 

@@ -1,8 +1,8 @@
 """Tiered KV cache manager over the knowledge tree (RAGCache §5.1, Alg. 1, Fig. 8).
 
-Two tiers: ``device`` (a bounded arena of KV blocks, see :mod:`ragcache_backend.blocks`) and
+Two tiers: ``device`` (a bounded arena of KV blocks, see :mod:`ragcache_backend.cache.blocks`) and
 ``host`` (a byte budget of host buffers). Which node lives where is decided by a replacement
-policy (:mod:`ragcache_backend.policy`, PGDSF by default) with one logical clock per tier:
+policy (:mod:`ragcache_backend.cache.policy`, PGDSF by default) with one logical clock per tier:
 
 * Eviction from a tier (Alg. 1 EVICT_IN_GPU) pops the lowest-priority *leaf of that tier* (an
   unlocked node with no child resident in the tier), sets ``clock = max(clock, priority)``
@@ -33,11 +33,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias
 
-from ragcache_backend.blocks import BlockAllocator, blocks_for
+from ragcache_backend.cache.blocks import BlockAllocator, blocks_for
 from ragcache_backend.errors import CacheBudgetError, InvalidRequestError
-from ragcache_backend.knowledge_tree import KnowledgeTree, Node, SegmentKey, TierName
-from ragcache_backend.policy import get_policy
-from ragcache_backend.profile import PrefillProfile
+from ragcache_backend.cache.knowledge_tree import KnowledgeTree, Node, SegmentKey, TierName
+from ragcache_backend.cache.policy import get_policy
+from ragcache_backend.cache.profile import PrefillProfile
 
 __all__ = ["HostKV", "KVMover", "MatchResult", "AcquiredPrefix", "CacheStats", "TieredCache"]
 

@@ -32,7 +32,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass(slots=True)
 class LoadedModel:
-    """A model and tokenizer ready for :class:`ragcache_backend.runner.ModelRunner`.
+    """A model and tokenizer ready for :class:`ragcache_backend.model.runner.ModelRunner`.
 
     Attributes:
         model: the transformers ``*ForCausalLM`` module, in eval mode, on ``device``.

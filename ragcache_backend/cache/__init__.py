@@ -1,0 +1,1 @@
+"""The cache: knowledge tree, replacement policies (PGDSF), prefill profile, block arena, tiers."""

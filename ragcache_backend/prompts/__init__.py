@@ -1,0 +1,1 @@
+"""Prompts: segment builder (chat template), document recognition inside prompts, detokenizer."""
