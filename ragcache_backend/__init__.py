@@ -22,10 +22,10 @@ __version__ = "0.1.0"
 _WHERE = {
     "DocumentStore": "ragcache_backend.retrieval.docstore",
     "EngineConfig": "ragcache_backend.config",
-    "GenerationResult": "ragcache_backend.engine.engine",
+    "GenerationResult": "ragcache_backend.engine.request",
     "RAGCacheEngine": "ragcache_backend.engine.engine",
     "SamplingParams": "ragcache_backend.model.sampling",
-    "StreamChunk": "ragcache_backend.engine.engine",
+    "StreamChunk": "ragcache_backend.engine.request",
     "build_index": "ragcache_backend.retrieval.docstore",
 }
 

@@ -26,7 +26,7 @@ from tenacity import AsyncRetrying, Retrying, retry_if_exception, stop_after_att
 from ragcache_backend.config import EngineConfig
 from ragcache_backend.retrieval.docstore import DocumentStore, build_index
 from ragcache_backend.engine.engine import GenerationResult, RAGCacheEngine, StreamChunk
-from ragcache_backend.errors import CacheBudgetError, InvalidRequestError, RAGCacheError, RequestCancelledError
+from ragcache_backend.errors import InvalidRequestError, RAGCacheError, RequestCancelledError
 from ragcache_backend.prompts.builder import Segment
 from ragcache_backend.prompts.recognition import DocumentRecognizer, PromptSegmenter
 from ragcache_backend.model.sampling import SamplingParams
@@ -45,10 +45,10 @@ class GenerationTimeoutError(RAGCacheError, TimeoutError):
     """A generation ran past the adapter's ``timeout`` and was cancelled."""
 
 
-#: Errors worth another attempt: the device arena momentarily full (held by running requests), a
-#: timed-out attempt. A prompt larger than the whole arena also raises CacheBudgetError; it is
-#: retried too, at most ``max_retries`` times, and then surfaces unchanged.
-TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (CacheBudgetError, GenerationTimeoutError)
+#: Errors worth another attempt: a timed-out attempt. A momentarily full device arena is no error
+#: (the engine's step loop waits for room); a prompt larger than the whole arena raises
+#: CacheBudgetError at once and is never retried.
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (GenerationTimeoutError,)
 
 
 class _Lazy(Generic[T]):

@@ -19,6 +19,8 @@ warm-up), then the timed requests open-loop at the given rate.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import platform
@@ -68,17 +70,15 @@ def run_ours(loaded, profile, prompts, arrivals, system: OurSystem, *, device_by
     time, untimed, one token each, so the timed part sees the cache in its steady state."""
     from ragcache_backend.config import EngineConfig
     from ragcache_backend.engine.engine import RAGCacheEngine
-    from ragcache_backend.prompts.builder import cacheable_lead
     from ragcache_backend.model.sampling import SamplingParams
     from ragcache_backend.engine.scheduler import SchedulerConfig
-    from ragcache_backend.engine.serving import ServingEngine
 
     cfg = EngineConfig(dtype=_dtype_name(loaded), threads=threads, block_size=block_size,
                        device_budget_bytes=device_bytes, host_budget_bytes=host_bytes if system.host else 0,
                        policy=system.policy, enable_cache=system.enable_cache)
-    engine = RAGCacheEngine(cfg, loaded=loaded, profile=profile if system.policy == "pgdsf" else None)
     sched = SchedulerConfig(max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,
                             reorder=system.reorder, window=window if system.reorder else 0)
+    engine = RAGCacheEngine(cfg, loaded=loaded, profile=profile if system.policy == "pgdsf" else None, scheduler=sched)
     sampling = SamplingParams(max_tokens=max_tokens)
     # warm-up (one request, then the cache is emptied)
     engine.generate_segments(prompts[0], SamplingParams(max_tokens=2))
@@ -86,17 +86,17 @@ def run_ours(loaded, profile, prompts, arrivals, system: OurSystem, *, device_by
     for segs in warm_prompts:
         engine.generate_segments(segs, SamplingParams(max_tokens=1))
     handles = []
-    with ServingEngine(engine, sched) as srv:
+    with engine:
         t0 = time.perf_counter()
         for segs, at in zip(prompts, arrivals):
             delay = t0 + at - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
-            handles.append(srv.submit_segments(segs, sampling))
+            handles.append(engine.submit_segments(segs, sampling))
         records = []
         for h, segs in zip(handles, prompts):
             # cacheable segments on the request's path (system prompt + documents): the node-hit denominator
-            rec = {"cache_nodes": len(cacheable_lead(segs))}
+            rec = {"cache_nodes": len(engine.plan(segs).lead)}
             try:
                 r = h.result(timeout=3600)
             except Exception as exc:  # reported, never dropped
@@ -108,7 +108,7 @@ def run_ours(loaded, profile, prompts, arrivals, system: OurSystem, *, device_by
                            queue_s=h.metrics.queue_s)
             records.append(rec)
         makespan = max(h.metrics.finished for h in handles) - t0
-        stats = dict(srv.stats)
+        stats = dataclasses.asdict(engine.stats)
     engine.cache.check_invariants()
     summary = summarize(records, makespan)
     summary["cache_stats"] = {k: getattr(engine.cache.stats, k) for k in engine.cache.stats.__dataclass_fields__}

@@ -3,8 +3,8 @@
 Hit rate depends only on which nodes the policy keeps, not on how fast the forward pass runs, so
 this replays a trace through the real :class:`~ragcache_backend.cache.tiers.TieredCache` (same
 knowledge tree, PGDSF/GDSF/LRU/LFU, swap-out-once, budgets) with a KV mover that copies nothing.
-Requests run one at a time as the engine runs them: match + acquire, allocate the missing
-documents and the tail, insert, ``record_request(alpha, beta)``, release, free. PGDSF costs come
+Requests run one at a time through the same cache protocol as the engine: ``admit`` (match,
+lock, allocate), ``commit`` (insert, Alg. 1 statistics), ``finish``. PGDSF costs come
 from the prefill profile measured on this machine. Deterministic: same trace, same numbers,
 whatever the machine load.
 """
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ragcache_backend.cache.blocks import blocks_for
-from ragcache_backend.prompts.builder import cacheable_lead
+from ragcache_backend.cache.lease import SegmentSpec
 from ragcache_backend.cache.tiers import TieredCache
+from ragcache_backend.prompts.builder import plan_prompt
 
 
 @dataclass(slots=True)
@@ -41,29 +41,24 @@ class _CountingMover:
 
 
 def replay(prompts, *, policy: str, profile, device_bytes: int, host_bytes: int, bytes_per_token: int,
-           block_size: int = 16, max_tokens: int = 4) -> dict:
-    """Hit rates of one policy over ``prompts`` (lists of segments, in arrival order)."""
+           block_size: int = 16, max_tokens: int = 4, whole_prompt: bool = True) -> dict:
+    """Hit rates of one policy over ``prompts`` (lists of segments, in arrival order); with
+    ``whole_prompt`` the question tail is cached too, as the engine does by default."""
     num_blocks = device_bytes // (bytes_per_token * block_size)
     cache = TieredCache(num_blocks, block_size, host_bytes, _CountingMover(bytes_per_token), policy=policy,
                         profile=profile if policy == "pgdsf" else None)
     total = cached = 0
     for segs in prompts:
-        lead = cacheable_lead(segs)
-        acq = cache.acquire(cache.match([s.key for s in lead]))
-        path = list(acq.nodes)
-        pending = [(s, cache.allocate(blocks_for(len(s), block_size))) for s in lead[len(path):]]
-        tail = sum(len(s) for s in segs[len(lead):])
-        tail_blocks = cache.allocate(blocks_for(tail + max_tokens, block_size))
-        alpha = sum(n.num_tokens for n in path)
-        beta = sum(len(s) for s, _ in pending) + tail
-        parent = path[-1] if path else None
-        for s, blocks in pending:
-            parent = cache.insert(parent, s.key, len(s), blocks)
-            path.append(parent)
-        cache.record_request(path, [False] * len(acq.nodes) + [True] * len(pending), alpha, beta)
-        cache.release(path)
-        cache.free(tail_blocks)
-        total += alpha + beta
+        plan = plan_prompt(segs, whole_prompt=whole_prompt)
+        lease = cache.admit([SegmentSpec(s.key, len(s)) for s in plan.lead], len(plan.rest) + max_tokens)
+        if lease is None:  # one request at a time: the arena is never held by another
+            raise AssertionError("replay: no room with no request running")
+        try:
+            alpha = lease.cached_tokens
+            cache.commit(lease, len(plan.rest))
+        finally:
+            cache.finish(lease)
+        total += sum(len(s) for s in segs)
         cached += alpha
     cache.check_invariants()
     st = cache.stats

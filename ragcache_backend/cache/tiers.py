@@ -21,13 +21,18 @@ policy (:mod:`ragcache_backend.cache.policy`, PGDSF by default) with one logical
 This module never touches tensors: a :class:`KVMover` supplied by the runner copies KV between
 tiers. Not thread-safe by design: callers serialize access (one scheduler thread).
 
-Typical request flow: ``match`` -> ``acquire`` -> ``allocate`` blocks for the new segments ->
-prefill -> ``insert`` each new segment -> ``record_request`` -> ``release`` the path.
+A request uses three calls (the engine, the policy replay and the tests all go through them):
+``admit`` (match, lock, swap in, allocate; ``None`` when the arena has no room *now*) ->
+prefill -> ``commit`` (insert the computed segments, Alg. 1 UPDATE_NODE) -> ``finish`` (unlock,
+free what the request owns; always, on success, error or cancellation). The lower-level calls
+they are made of (``match``, ``acquire``, ``allocate``, ``insert``, ``record_request``,
+``release``, ``free``) stay public for tests.
 """
 
 from __future__ import annotations
 
 import heapq
+import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,10 +41,11 @@ from typing import Protocol, TypeAlias
 from ragcache_backend.cache.blocks import BlockAllocator, blocks_for
 from ragcache_backend.errors import CacheBudgetError, InvalidRequestError
 from ragcache_backend.cache.knowledge_tree import KnowledgeTree, Node, SegmentKey, TierName
+from ragcache_backend.cache.lease import Lease, PendingSegment, SegmentSpec
 from ragcache_backend.cache.policy import get_policy
 from ragcache_backend.cache.profile import PrefillProfile
 
-__all__ = ["HostKV", "KVMover", "MatchResult", "AcquiredPrefix", "CacheStats", "TieredCache"]
+__all__ = ["HostKV", "KVMover", "MatchResult", "AcquiredPrefix", "CacheStats", "TieredCache", "Lease", "SegmentSpec"]
 
 HostKV: TypeAlias = object
 """Opaque handle to a node's KV in host memory, owned by the KVMover."""
@@ -100,6 +106,7 @@ class CacheStats:
     host_evictions: int = 0
     dropped_nodes: int = 0  # removed from the cache because the host could not take them
     swap_ins: int = 0  # host -> device copies
+    copy_s: float = 0.0  # seconds spent in KV copies between tiers (swap out + swap in)
 
 
 class TieredCache:
@@ -165,6 +172,16 @@ class TieredCache:
         return self._alloc.num_used
 
     @property
+    def request_blocks(self) -> int:
+        """Blocks owned by running requests (not yet given to tree nodes)."""
+        return len(self._request_blocks)
+
+    @property
+    def locked_nodes(self) -> int:
+        """Tree nodes locked by running requests."""
+        return len(self._locked)
+
+    @property
     def host_used_bytes(self) -> int:
         return self._host_used
 
@@ -172,7 +189,86 @@ class TieredCache:
         """The tier's logical clock (eq. 2); starts at 0."""
         return self._clock[TierName(tier)]
 
-    # ----------------------------------------------------------------- request API
+    # ----------------------------------------------------------------- request protocol
+    def admit(self, lead: Sequence[SegmentSpec], tail_tokens: int) -> Lease | None:
+        """Admit one request: lock its longest cached prefix on device and give it blocks for
+        every lead segment it must compute and for ``tail_tokens`` more tokens.
+
+        Args:
+            lead: the request's cacheable segments, in prompt order.
+            tail_tokens: tokens past the lead the request writes (prompt rest + ``max_tokens``).
+
+        Returns:
+            a :class:`Lease`, or ``None`` when the arena has no room *now* (blocks held by running
+            requests): nothing is held then, and the caller retries after a request finishes.
+
+        Raises:
+            CacheBudgetError: the request can never fit: its whole prompt plus ``max_tokens``
+                needs more blocks than the arena has.
+            InvalidRequestError: a segment of fewer than one token, negative ``tail_tokens``.
+        """
+        if tail_tokens < 0 or any(s.num_tokens < 1 for s in lead):
+            raise InvalidRequestError(f"bad request shape: tail {tail_tokens}, lead {[s.num_tokens for s in lead]}")
+        total = sum(blocks_for(s.num_tokens, self.block_size) for s in lead) + blocks_for(tail_tokens, self.block_size)
+        cap = self._alloc.num_blocks
+        if total > cap:
+            raise CacheBudgetError(
+                f"the request needs {total} device blocks ({total * self.block_size} tokens of KV: prompt "
+                f"+ max_tokens) but the device arena holds only {cap}; raise the device budget or shorten it"
+            )
+        acq = self.acquire(self.match([s.key for s in lead]))
+        path = list(acq.nodes)
+        todo = lead[len(path):]
+        need = [blocks_for(s.num_tokens, self.block_size) for s in todo]
+        tail_need = blocks_for(tail_tokens, self.block_size)
+        if not self._make_device_room(sum(need) + tail_need):
+            self.release(path)
+            return None
+        pending = [PendingSegment(s, self.allocate(n)) for s, n in zip(todo, need)]
+        return Lease(path=path, reused=len(path), pending=pending, tail_blocks=self.allocate(tail_need),
+                     device_hits=acq.device_hits, host_hits=acq.host_hits)
+
+    def commit(self, lease: Lease, rest_tokens: int) -> None:
+        """After a successful prefill: insert the lease's computed segments as tree nodes (their
+        blocks change owner, no copy) and update every path node's statistics (Alg. 1).
+
+        Args:
+            lease: from :meth:`admit`, not yet committed.
+            rest_tokens: prompt tokens computed past the lead (eq. 3's beta counts them).
+
+        Raises:
+            InvalidRequestError: the lease was already committed or released.
+        """
+        if lease.committed or lease.released:
+            raise InvalidRequestError("a lease is committed once, before it is released")
+        alpha = lease.cached_tokens
+        beta = lease.pending_tokens + rest_tokens
+        parent = lease.path[-1] if lease.path else None
+        while lease.pending:
+            p = lease.pending.pop(0)
+            parent = self.insert(parent, p.spec.key, p.spec.num_tokens, p.blocks)
+            lease.path.append(parent)
+        lease.committed = True
+        if lease.path:
+            computed = [False] * lease.reused + [True] * (len(lease.path) - lease.reused)
+            self.record_request(lease.path, computed, alpha, max(beta, 1) if any(computed) else beta)
+
+    def finish(self, lease: Lease) -> None:
+        """Unlock the lease's path and free the blocks it owns; idempotent (safe in ``finally``)."""
+        if lease.released:
+            return
+        lease.released = True
+        path, lease.path = lease.path, []
+        pending, lease.pending = lease.pending, []
+        tail, lease.tail_blocks = lease.tail_blocks, []
+        if path:
+            self.release(path)
+        for p in pending:
+            self.free(p.blocks)
+        if tail:
+            self.free(tail)
+
+    # ----------------------------------------------------------------- lower-level calls
     def match(self, keys: Sequence[SegmentKey]) -> MatchResult:
         """Longest resident prefix of ``keys`` (O(depth)); changes nothing."""
         nodes = tuple(self._tree.match_prefix(keys))
@@ -206,6 +302,7 @@ class TieredCache:
                 del nodes[idx:]
                 break
             blocks = self._alloc.allocate(need)
+            t0 = time.perf_counter()
             try:
                 self._mover.swap_in(n.host_kv, blocks)
             except BaseException:
@@ -213,6 +310,8 @@ class TieredCache:
                 for m in nodes:
                     self._unlock(m)
                 raise
+            finally:
+                self.stats.copy_s += time.perf_counter() - t0
             n.device_blocks = blocks
             self._set_priority(n, DEVICE)
             host_hits += 1
@@ -446,7 +545,11 @@ class TieredCache:
             if short > self._host_used - locked:
                 return False
             self._evict_host(nbytes)
-        n.host_kv = self._mover.swap_out(n.device_blocks or (), n.num_tokens)
+        t0 = time.perf_counter()
+        try:
+            n.host_kv = self._mover.swap_out(n.device_blocks or (), n.num_tokens)
+        finally:
+            self.stats.copy_s += time.perf_counter() - t0
         self._host_used += nbytes
         self.stats.swap_outs += 1
         self._set_priority(n, HOST)

@@ -1,118 +1,96 @@
-"""The embedded RAGCache engine: retrieval-aware generation with document-level KV reuse.
+"""The embedded RAGCache engine: one request lifecycle and one step loop for every caller.
 
-One request runs as (RAGCache §5.1):
+Every entry point (``generate``, ``stream``, ``agenerate``, ``astream``, the LangChain and
+LlamaIndex adapters, the CLI, ``ragcache bench``) submits a :class:`~ragcache_backend.engine.request.Request`
+to the engine's step loop and waits on its handle, as nano-vllm's ``generate`` drives ``step()``.
+The loop runs on one background thread that owns the runner and the cache (neither is
+thread-safe). Each :meth:`RAGCacheEngine.step` (RAGCache §5.1-5.2):
 
-1. **admit** — segment the prompt (:mod:`ragcache_backend.prompts.builder`), match its leading cacheable
-   segments in the knowledge tree, lock and bring the matched nodes to device, allocate device
-   blocks for every segment still to compute;
-2. **prefill** — one forward over the non-cached tokens on top of the cached prefix KV;
-3. **commit** — insert each newly computed document as a node of the tree (its blocks change
-   owner, no copy) and update PGDSF statistics (Alg. 1 UPDATE_NODE);
-4. **decode** — sample until a stop token, a stop string or ``max_tokens``;
-5. **finish** — unlock the path and free the request's own blocks, on success *and* on error.
+1. takes new requests and cancellations;
+2. refreshes each waiting request's cached / to-compute estimate (knowledge-tree match) and asks
+   the :class:`~ragcache_backend.engine.scheduler.Scheduler` for a plan (cache-aware reordering);
+3. **admits** the planned prefills with the cache's protocol (:meth:`TieredCache.admit`: match,
+   lock, swap in, allocate); "no room now" is a ``None`` the loop waits on, "can never fit"
+   fails the request at once;
+4. runs **one** ``runner.forward`` over every admitted prefill and every running decode
+   (continuous batching);
+5. **commits** each prefill (its documents become tree nodes, PGDSF statistics), samples,
+   streams text, and **finishes** requests that stopped: their lease is released (path unlocked,
+   blocks freed) on success, error and cancellation alike.
 
 Nothing is inserted into the tree before its prefill succeeded, so a failed or cancelled request
-never leaves a poisoned entry. Requests are serialized by a lock; the continuous-batching
-scheduler drives the same admit/prefill/commit/decode/finish steps for many requests at once.
+never leaves a poisoned entry.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import itertools
 import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
 
 import torch
 
-from ragcache_backend.cache.blocks import blocks_for
+from ragcache_backend.cache.lease import SegmentSpec
+from ragcache_backend.cache.profile import DEFAULT_ALPHAS, DEFAULT_BETAS, PrefillProfile, measure_profile
+from ragcache_backend.cache.tiers import TieredCache
 from ragcache_backend.config import EngineConfig, ragcache_home
-from ragcache_backend.retrieval.documents import Document, content_id
+from ragcache_backend.engine.request import (
+    FinishReason,
+    GenerationResult,
+    Request,
+    RequestHandle,
+    RequestMetrics,
+    StreamChunk,
+)
+from ragcache_backend.engine.scheduler import Scheduler, SchedulerConfig
+from ragcache_backend.engine.streaming import adrain, drain
 from ragcache_backend.errors import (
     CacheBudgetError,
     ContextWindowError,
     InvalidRequestError,
+    RAGCacheError,
     RequestCancelledError,
 )
-from ragcache_backend.cache.knowledge_tree import Node
 from ragcache_backend.model.loader import LoadedModel, load_model
-from ragcache_backend.cache.profile import DEFAULT_ALPHAS, DEFAULT_BETAS, PrefillProfile, measure_profile
-from ragcache_backend.prompts.builder import PromptBuilder, Segment, cacheable_lead
 from ragcache_backend.model.runner import ForwardInput, KVRun, ModelRunner, kv_bytes_per_token
 from ragcache_backend.model.sampling import SamplingParams, sample_token
-from ragcache_backend.engine.streaming import adrain, drain
+from ragcache_backend.prompts.builder import PromptBuilder, PromptPlan, Segment, plan_prompt
 from ragcache_backend.prompts.detokenizer import IncrementalText
-from ragcache_backend.cache.tiers import AcquiredPrefix, TieredCache
+from ragcache_backend.retrieval.documents import Document, content_id
 
 log = logging.getLogger(__name__)
 
-FinishReason = Literal["stop", "length"]
+__all__ = ["EngineClosedError", "EngineStats", "GenerationResult", "RAGCacheEngine", "RequestHandle",
+           "RequestMetrics", "StreamChunk"]
 
 
-@dataclass(slots=True, frozen=True)
-class GenerationResult:
-    """What one request produced and how much of its prompt came from the cache.
-
-    Attributes:
-        answer: generated text (stop string excluded).
-        token_ids: generated token ids (stop token excluded).
-        finish_reason: ``"stop"`` (stop token or string) or ``"length"`` (``max_tokens``).
-        ttft_s: seconds from the call to the first sampled token (admission + prefill).
-        total_s: seconds from the call to the end of generation.
-        prompt_tokens: tokens in the prompt.
-        cached_tokens: prompt tokens whose KV was reused from the knowledge tree.
-        computed_tokens: prompt tokens prefilled by this request (``prompt - cached``).
-        device_hits, host_hits: matched tree nodes found in each tier.
-        documents: ids of the documents in the prompt, in prompt order.
-        dropped_documents: ids of retrieved documents left out to fit the context window.
-        model: model name.
-    """
-
-    answer: str
-    token_ids: tuple[int, ...]
-    finish_reason: FinishReason
-    ttft_s: float
-    total_s: float
-    prompt_tokens: int
-    cached_tokens: int
-    computed_tokens: int
-    device_hits: int
-    host_hits: int
-    documents: tuple[str, ...]
-    dropped_documents: tuple[str, ...]
-    model: str
-
-
-@dataclass(slots=True, frozen=True)
-class StreamChunk:
-    """A streamed text delta; the last chunk of a stream carries the full ``result``."""
-
-    text: str
-    result: GenerationResult | None = None
+class EngineClosedError(RAGCacheError):
+    """The engine is closed (or closing) and takes no new request."""
 
 
 @dataclass(slots=True)
-class _Request:
-    """Mutable state of one request between admit and finish (engine-internal)."""
+class EngineStats:
+    """Totals over the engine's life (for ``ragcache bench``).
 
-    segments: list[Segment]
-    sampling: SamplingParams
-    use_cache: bool
-    cancel: threading.Event = field(default_factory=threading.Event)
-    acquired: AcquiredPrefix | None = None
-    pending: list[tuple[Segment, list[int]]] = field(default_factory=list)  # to compute + insert
-    tail: tuple[int, ...] = ()
-    tail_blocks: list[int] = field(default_factory=list)
-    path: list[Node] = field(default_factory=list)  # locked tree nodes, in prompt order
-    generated: list[int] = field(default_factory=list)
+    Attributes:
+        steps: forward steps run.
+        forward_s: seconds inside ``runner.forward``.
+        sched_s: seconds of scheduling (estimates, planning, admission, commit), KV copies excluded.
+        finished, failed, cancelled: requests by outcome.
+    """
 
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(len(s) for s in self.segments)
+    steps: int = 0
+    forward_s: float = 0.0
+    sched_s: float = 0.0
+    finished: int = 0
+    failed: int = 0
+    cancelled: int = 0
 
 
 def _stop_token_ids(loaded: LoadedModel) -> frozenset[int]:
@@ -138,15 +116,18 @@ def _doc_text_id(doc: object) -> tuple[str, str | None]:
 
 
 class RAGCacheEngine:
-    """Cache-aware generation over a Llama-family model (RAGCache §5).
+    """Cache-aware generation over a Llama-family model (RAGCache §5), one step loop for all callers.
 
     Args:
         config: engine configuration; defaults to the embedded SmolLM2 model, PGDSF, 512 MiB
-            device tier and 2 GiB host tier.
+            device tier and 2 GiB host tier, continuous batching of up to 8 sequences.
         loaded: an already loaded model (shares weights between engines, e.g. cache on/off).
         profile: a prefill profile for PGDSF; by default loaded from ``profile_path`` or measured
             once per model/dtype/device/threads (about 15 s for the default model) and saved.
         store: a :class:`~ragcache_backend.retrieval.docstore.DocumentStore` for :meth:`ask`.
+        scheduler: batching and reordering knobs; default from ``config``.
+
+    The step loop's thread starts with the first request; :meth:`close` stops it.
 
     Raises:
         ModelLoadError: the model cannot be loaded.
@@ -161,6 +142,7 @@ class RAGCacheEngine:
         loaded: LoadedModel | None = None,
         profile: PrefillProfile | None = None,
         store=None,
+        scheduler: SchedulerConfig | None = None,
     ) -> None:
         self.config = cfg = config or EngineConfig()
         if cfg.threads:
@@ -184,7 +166,18 @@ class RAGCacheEngine:
         )
         self.store = store
         self.stop_ids = _stop_token_ids(self.loaded)
-        self._lock = threading.RLock()
+        self.scheduler = Scheduler(scheduler or SchedulerConfig(
+            max_batch_size=cfg.max_batch_size, max_batch_tokens=cfg.max_batch_tokens,
+            reorder=cfg.reorder, window=cfg.reorder_window,
+        ))
+        self.stats = EngineStats()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[int, Request] = {}
+        self._ids = itertools.count()
+        self._step_lock = threading.RLock()  # held for a whole step; also by reset_cache
+        self._thread: threading.Thread | None = None
+        self._thread_lock = threading.Lock()
+        self._closing = False
 
     # ---- profile -----------------------------------------------------------------------------
     def _load_or_measure_profile(self) -> PrefillProfile:
@@ -209,7 +202,7 @@ class RAGCacheEngine:
         profile.save(path)
         return profile
 
-    # ---- public API ----------------------------------------------------------------------------
+    # ---- prompts -------------------------------------------------------------------------------
     @property
     def model_name(self) -> str:
         return self.loaded.name
@@ -238,10 +231,11 @@ class RAGCacheEngine:
             dropped.append(gone.doc_id or gone.key)
         if dropped:
             log.warning("left out %d lowest-ranked document(s) to fit the %d-token context window", len(dropped), window)
-        self._check_window(segments, sampling)
+        self.check_window(segments, sampling)
         return segments, tuple(reversed(dropped))
 
-    def _check_window(self, segments: Sequence[Segment], sampling: SamplingParams) -> None:
+    def check_window(self, segments: Sequence[Segment], sampling: SamplingParams) -> None:
+        """Raise :class:`ContextWindowError` if ``segments`` plus ``max_tokens`` exceed the window."""
         total = sum(len(s) for s in segments)
         if total + sampling.max_tokens > self.loaded.context_window:
             raise ContextWindowError(
@@ -249,16 +243,77 @@ class RAGCacheEngine:
                 f"{self.loaded.context_window}-token context window of {self.model_name}"
             )
 
-    def generate(
+    def plan(self, segments: Sequence[Segment], use_cache: bool | None = None) -> PromptPlan:
+        """How ``segments`` meet the knowledge tree under this engine's settings."""
+        use = self.config.enable_cache if use_cache is None else use_cache
+        if not use:
+            return PromptPlan((), tuple(t for s in segments for t in s.token_ids))
+        return plan_prompt(segments, whole_prompt=self.config.whole_prompt_reuse)
+
+    # ---- submission (every public call goes through here) ----------------------------------------
+    def submit_segments(
         self,
-        question: str,
-        documents: Sequence[DocumentLike] = (),
+        segments: Sequence[Segment],
         sampling: SamplingParams | None = None,
         *,
         use_cache: bool | None = None,
         on_text: Callable[[str], None] | None = None,
-    ) -> GenerationResult:
-        """Answer ``question`` from ``documents`` (in retrieval order), reusing cached document KV.
+        cancel: threading.Event | None = None,
+        dropped: tuple[str, ...] = (),
+        keep_logits: bool = False,
+    ) -> RequestHandle:
+        """Queue an already segmented prompt on the step loop and return its handle at once.
+
+        The leading cacheable segments (with whole-prompt reuse: all but the last token) are
+        served from and inserted into the knowledge tree; the rest is computed.
+
+        Args:
+            segments: the prompt (see :class:`~ragcache_backend.prompts.builder.PromptBuilder`).
+            sampling: defaults to greedy with ``max_tokens=128``.
+            use_cache: override ``config.enable_cache`` for this request.
+            on_text: called on the engine thread with each final text delta (keep it short).
+            cancel: an event that cancels the request when set (checked every step).
+            dropped: ids of documents left out to fit the window, reported in the result.
+            keep_logits: keep the prompt's last-token logits on the handle (tests, evaluation).
+
+        Raises (at once, nothing queued):
+            InvalidRequestError: no segments. ContextWindowError. EngineClosedError.
+        """
+        sampling = sampling or SamplingParams()
+        if not segments:
+            raise InvalidRequestError("a prompt needs at least one segment")
+        self.check_window(segments, sampling)
+        if self._closing:
+            raise EngineClosedError("the engine is closed")
+        rid = next(self._ids)
+        handle = RequestHandle(rid, self.cancel)
+        seed = sampling.seed
+        req = Request(
+            rid=rid, segments=tuple(segments), plan=self.plan(segments, use_cache), sampling=sampling,
+            dropped=dropped, on_text=on_text or (lambda _t: None), handle=handle,
+            text=IncrementalText(self.loaded.tokenizer, sampling.stop), cancel=cancel or threading.Event(),
+            keep_logits=keep_logits,
+            generator=torch.Generator().manual_seed(seed) if seed is not None else None,
+        )
+        self._ensure_thread()
+        self._inbox.put(req)
+        return handle
+
+    def submit(self, question: str, documents: Sequence[DocumentLike] = (), sampling: SamplingParams | None = None,
+               **kw) -> RequestHandle:
+        """Queue a RAG request (question + documents in retrieval order); see :meth:`submit_segments`."""
+        sampling = sampling or SamplingParams()
+        segments, dropped = self.segments_for(question, documents, sampling)
+        return self.submit_segments(segments, sampling, dropped=dropped, **kw)
+
+    def cancel(self, rid: int) -> None:
+        """Cancel request ``rid`` wherever it is (no-op once it finished)."""
+        self._inbox.put(rid)
+
+    # ---- blocking and async clients of the loop ---------------------------------------------------
+    def generate(self, question: str, documents: Sequence[DocumentLike] = (), sampling: SamplingParams | None = None,
+                 *, use_cache: bool | None = None, on_text: Callable[[str], None] | None = None) -> GenerationResult:
+        """Answer ``question`` from ``documents`` (in retrieval order), reusing cached KV.
 
         Args:
             question: the user question (non-blank).
@@ -268,40 +323,19 @@ class RAGCacheEngine:
             on_text: called with each final text delta as it is generated (streaming).
 
         Raises:
-            EmptyQueryError, ContextWindowError, CacheBudgetError, RequestCancelledError.
+            EmptyQueryError, ContextWindowError, CacheBudgetError (the prompt can never fit the
+            device arena), RequestCancelledError.
         """
-        sampling = sampling or SamplingParams()
-        segments, dropped = self.segments_for(question, documents, sampling)
-        return self.generate_segments(segments, sampling, use_cache=use_cache, on_text=on_text, dropped=dropped)
+        return self.submit(question, documents, sampling, use_cache=use_cache, on_text=on_text).result()
 
-    def generate_segments(
-        self,
-        segments: Sequence[Segment],
-        sampling: SamplingParams | None = None,
-        *,
-        use_cache: bool | None = None,
-        on_text: Callable[[str], None] | None = None,
-        cancel: threading.Event | None = None,
-        dropped: tuple[str, ...] = (),
-    ) -> GenerationResult:
-        """Generate from an already segmented prompt (used by the LangChain/LlamaIndex adapters).
-
-        The leading cacheable segments (all but the last segment at most) are served from and
-        inserted into the knowledge tree; everything from the first non-cacheable segment on is
-        computed and never cached.
-
-        Raises:
-            InvalidRequestError: no segments; ContextWindowError; CacheBudgetError;
-            RequestCancelledError when ``cancel`` is set during generation.
-        """
-        sampling = sampling or SamplingParams()
-        if not segments:
-            raise InvalidRequestError("a prompt needs at least one segment")
-        self._check_window(segments, sampling)
-        req = _Request(list(segments), sampling, self.config.enable_cache if use_cache is None else use_cache)
-        if cancel is not None:
-            req.cancel = cancel
-        return self._execute(req, on_text or (lambda _t: None), dropped)
+    def generate_segments(self, segments: Sequence[Segment], sampling: SamplingParams | None = None, **kw) -> GenerationResult:
+        """Blocking form of :meth:`submit_segments` (used by the adapters)."""
+        handle = self.submit_segments(segments, sampling, **kw)
+        try:
+            return handle.result()
+        finally:
+            if not handle.done():  # interrupted while waiting
+                handle.cancel()
 
     def ask(self, question: str, k: int = 3, sampling: SamplingParams | None = None, **kw) -> GenerationResult:
         """Retrieve the top-``k`` documents from ``store`` and answer from them."""
@@ -310,9 +344,8 @@ class RAGCacheEngine:
         hits = self.store.search(question, k)
         return self.generate(question, [h.document for h in hits], sampling, **kw)
 
-    def stream(
-        self, question: str, documents: Sequence[DocumentLike] = (), sampling: SamplingParams | None = None, **kw
-    ) -> Iterator[StreamChunk]:
+    def stream(self, question: str, documents: Sequence[DocumentLike] = (), sampling: SamplingParams | None = None,
+               **kw) -> Iterator[StreamChunk]:
         """Like :meth:`generate` but yields text deltas; the last chunk carries the result.
 
         Closing the iterator early cancels the request (its KV blocks are freed).
@@ -321,159 +354,318 @@ class RAGCacheEngine:
         segments, dropped = self.segments_for(question, documents, sampling)
         return self.stream_segments(segments, sampling, dropped=dropped, **kw)
 
-    def stream_segments(self, segments: Sequence[Segment], sampling: SamplingParams | None = None, *,
-                        cancel: threading.Event | None = None, **kw) -> Iterator[StreamChunk]:
-        """Streaming form of :meth:`generate_segments`; setting ``cancel`` cancels the request."""
-        out: queue.Queue = queue.Queue()
-        cancel = cancel or threading.Event()
+    def stream_segments(self, segments: Sequence[Segment], sampling: SamplingParams | None = None, **kw) -> Iterator[StreamChunk]:
+        """Streaming form of :meth:`submit_segments`; closing the iterator cancels the request."""
+        out: queue.SimpleQueue = queue.SimpleQueue()
+        handle = self.submit_segments(segments, sampling, on_text=lambda t: out.put(StreamChunk(t)), **kw)
+        handle.future.add_done_callback(lambda fut: out.put(_final_chunk(fut)))
+        return self._stream(out, handle)
 
-        def work() -> None:
-            try:
-                result = self.generate_segments(segments, sampling, on_text=lambda t: out.put(StreamChunk(t)), cancel=cancel, **kw)
-                out.put(StreamChunk("", result))
-            except BaseException as exc:  # handed to the consumer thread
-                out.put(exc)
-
-        worker = threading.Thread(target=work, daemon=True)
-        worker.start()
+    @staticmethod
+    def _stream(out: queue.SimpleQueue, handle: RequestHandle) -> Iterator[StreamChunk]:
         try:
             yield from drain(out)
         finally:
-            cancel.set()
-            worker.join()
+            if not handle.done():  # the consumer walked away: cancel, and return once blocks are freed
+                handle.cancel()
+                concurrent.futures.wait([handle.future])
 
-    async def agenerate(self, question: str, documents: Sequence[DocumentLike] = (), sampling: SamplingParams | None = None, **kw) -> GenerationResult:
-        """Async :meth:`generate` (runs in a worker thread; cancelling the task cancels the request)."""
-        cancel = threading.Event()
-        sampling = sampling or SamplingParams()
-        segments, dropped = self.segments_for(question, documents, sampling)
+    async def agenerate(self, question: str, documents: Sequence[DocumentLike] = (), sampling: SamplingParams | None = None,
+                        **kw) -> GenerationResult:
+        """Async :meth:`generate`: concurrent calls share forward steps; cancelling the task cancels the request."""
+        return await self._await(self.submit(question, documents, sampling, **kw))
+
+    async def agenerate_segments(self, segments: Sequence[Segment], sampling: SamplingParams | None = None,
+                                 **kw) -> GenerationResult:
+        """Async form of :meth:`generate_segments`."""
+        return await self._await(self.submit_segments(segments, sampling, **kw))
+
+    @staticmethod
+    async def _await(handle: RequestHandle) -> GenerationResult:
         try:
-            return await asyncio.to_thread(self.generate_segments, segments, sampling, cancel=cancel, dropped=dropped, **kw)
+            return await asyncio.shield(asyncio.wrap_future(handle.future))
         finally:
-            cancel.set()
+            if not handle.done():  # the awaiting task was cancelled
+                handle.cancel()
+                await _settled(handle)
 
-    async def astream(self, question: str, documents: Sequence[DocumentLike] = (), sampling: SamplingParams | None = None, **kw) -> AsyncIterator[StreamChunk]:
+    async def astream(self, question: str, documents: Sequence[DocumentLike] = (), sampling: SamplingParams | None = None,
+                      **kw) -> AsyncIterator[StreamChunk]:
         """Async :meth:`stream`."""
         sampling = sampling or SamplingParams()
         segments, dropped = self.segments_for(question, documents, sampling)
         async for chunk in self.astream_segments(segments, sampling, dropped=dropped, **kw):
             yield chunk
 
-    async def astream_segments(self, segments: Sequence[Segment], sampling: SamplingParams | None = None, *,
-                               cancel: threading.Event | None = None, **kw) -> AsyncIterator[StreamChunk]:
-        """Async streaming form of :meth:`generate_segments`; setting ``cancel`` cancels the request."""
+    async def astream_segments(self, segments: Sequence[Segment], sampling: SamplingParams | None = None,
+                               **kw) -> AsyncIterator[StreamChunk]:
+        """Async streaming form of :meth:`submit_segments`; closing the stream cancels the request."""
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
-        cancel = cancel or threading.Event()
-
-        def work() -> None:
-            try:
-                result = self.generate_segments(
-                    segments, sampling, cancel=cancel,
-                    on_text=lambda t: loop.call_soon_threadsafe(out.put_nowait, StreamChunk(t)), **kw,
-                )
-                loop.call_soon_threadsafe(out.put_nowait, StreamChunk("", result))
-            except BaseException as exc:
-                loop.call_soon_threadsafe(out.put_nowait, exc)
-
-        task = loop.run_in_executor(None, work)
+        put = out.put_nowait
+        handle = self.submit_segments(segments, sampling, on_text=lambda t: loop.call_soon_threadsafe(put, StreamChunk(t)), **kw)
+        handle.future.add_done_callback(lambda fut: loop.call_soon_threadsafe(put, _final_chunk(fut)))
         try:
             async for item in adrain(out):
                 yield item
         finally:
-            cancel.set()
-            await asyncio.shield(task)
+            if not handle.done():
+                handle.cancel()
+                await _settled(handle)
+
+    def first_token_logits(self, segments: Sequence[Segment], *, use_cache: bool | None = None) -> tuple[torch.Tensor, int]:
+        """Float32 ``[vocab]`` logits of the prompt's last token and the prompt tokens reused,
+        through the normal request path (admit, prefill, commit, finish). For tests and evaluation."""
+        handle = self.submit_segments(segments, SamplingParams(max_tokens=1), use_cache=use_cache, keep_logits=True)
+        result = handle.result()
+        assert handle.first_logits is not None
+        return handle.first_logits, result.cached_tokens
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def configure_scheduler(self, config: SchedulerConfig) -> None:
+        """Replace the batching and reordering knobs; only while no request is in flight.
+
+        Raises:
+            InvalidRequestError: requests are in flight.
+        """
+        with self._step_lock:
+            if self.in_flight:
+                raise InvalidRequestError("the scheduler can only be reconfigured while no request is in flight")
+            self.scheduler = Scheduler(config)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until no request is in flight; False if ``timeout`` seconds passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.in_flight:
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def live_request_ids(self) -> tuple[int, ...]:
+        """Ids of the requests the loop holds now (waiting or running)."""
+        return tuple(self._live)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not yet finished."""
+        return len(self._live) + self._inbox.qsize()
 
     def reset_cache(self) -> None:
         """Drop every cached node that no running request holds."""
-        with self._lock:
+        with self._step_lock:
             self.cache.clear()
 
-    # ---- request steps (admit, prefill, commit, decode, finish) ----------------------------------
-    def _execute(self, req: _Request, on_text: Callable[[str], None], dropped: tuple[str, ...]) -> GenerationResult:
-        t0 = time.perf_counter()
-        text = IncrementalText(self.loaded.tokenizer, req.sampling.stop)
-        gen = torch.Generator().manual_seed(req.sampling.seed) if req.sampling.seed is not None else None
-        with self._lock:
-            if req.cancel.is_set():  # cancelled (or timed out) while waiting for the engine
-                raise RequestCancelledError("the request was cancelled before it started")
+    def close(self, *, cancel: bool = False, timeout: float | None = None) -> None:
+        """Stop taking requests; finish (or with ``cancel`` cancel) those in flight; join the loop."""
+        self._closing = True
+        if cancel:
+            for rid in list(self._live):
+                self.cancel(rid)
+        self._inbox.put(None)  # wakes the loop
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def __enter__(self) -> RAGCacheEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close(cancel=exc[0] is not None)
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None:
+            with self._thread_lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._loop, name="ragcache-engine", daemon=True)
+                    self._thread.start()
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                if not self._live:
+                    if self._closing and self._inbox.empty():
+                        return
+                    if not self._take(block=True):
+                        continue
+                self.step()
+        except BaseException as exc:  # a bug: fail everyone loudly rather than hang callers
+            log.exception("engine step loop crashed")
+            self._closing = True
+            err = exc if isinstance(exc, Exception) else RAGCacheError(repr(exc))
+            for req in list(self._live.values()):
+                self._fail(req, err)
+            while True:
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(item, Request):
+                    item.handle.future.set_exception(EngineClosedError(f"the engine loop stopped: {exc!r}"))
+
+    def _take(self, *, block: bool) -> bool:
+        """Move inbox items (new requests, cancellations) into the loop; True if any came."""
+        got = False
+        while True:
             try:
-                self._admit(req)
-                logits = self.runner.forward([self._prefill_input(req)])[0]
-                computed = sum(len(s) for s, _ in req.pending) + len(req.tail)
-                self._commit(req)
-                token = sample_token(logits, req.sampling, gen)
-                ttft = time.perf_counter() - t0
-                reason = self._decode(req, token, text, on_text, gen)
-            finally:
-                self._finish(req)
-        return self._result(req, text, reason, ttft, time.perf_counter() - t0, computed, dropped)
+                item = self._inbox.get(timeout=0.5) if block and not got else self._inbox.get_nowait()
+            except queue.Empty:
+                return got
+            got = True
+            if isinstance(item, Request):
+                self._live[item.rid] = item
+                self.scheduler.add(item.rid, 0, item.prompt_tokens)
+            elif isinstance(item, int):
+                req = self._live.get(item)
+                if req is not None:
+                    self._fail(req, RequestCancelledError("the request was cancelled"))
 
-    def _result(self, req: _Request, text: IncrementalText, reason: FinishReason, ttft: float,
-                total: float, computed: int, dropped: tuple[str, ...]) -> GenerationResult:
-        """The :class:`GenerationResult` of a finished request (shared with the serving engine)."""
-        acq = req.acquired
-        return GenerationResult(
-            answer=text.emitted,
-            token_ids=tuple(req.generated),
-            finish_reason=reason,
-            ttft_s=ttft,
-            total_s=total,
-            prompt_tokens=req.prompt_tokens,
-            cached_tokens=req.prompt_tokens - computed,
-            computed_tokens=computed,
-            device_hits=acq.device_hits if acq else 0,
-            host_hits=acq.host_hits if acq else 0,
-            documents=tuple(s.doc_id for s in req.segments if s.doc_id is not None),
-            dropped_documents=dropped,
-            model=self.model_name,
-        )
+    # ---- one step --------------------------------------------------------------------------------
+    def step(self) -> int:
+        """Run one forward step over the admitted prefills and running decodes.
 
-    def _admit(self, req: _Request) -> None:
-        segs = req.segments
-        rest = segs
-        if req.use_cache:
-            lead = cacheable_lead(segs)
-            req.acquired = self.cache.acquire(self.cache.match([s.key for s in lead]))
-            req.path = list(req.acquired.nodes)
-            for s in lead[len(req.path):]:
-                req.pending.append((s, self.cache.allocate(blocks_for(len(s), self.runner.block_size))))
-            rest = segs[len(lead):]
-        req.tail = tuple(t for s in rest for t in s.token_ids)
-        need = blocks_for(len(req.tail) + req.sampling.max_tokens, self.runner.block_size)
-        req.tail_blocks = self.cache.allocate(need)
+        Returns:
+            the number of sequences in the step (0 when nothing could run).
+        """
+        with self._step_lock:
+            self._take(block=False)
+            for req in [r for r in self._live.values() if r.cancel.is_set()]:
+                self._fail(req, RequestCancelledError("the request was cancelled"))
+            t0 = time.perf_counter()
+            cfg = self.scheduler.config
+            if cfg.reorder and cfg.window > 0:
+                self._refresh_estimates()
+            plan = self.scheduler.plan()
+            plan_s = time.perf_counter() - t0
+            decoders = [self._live[rid] for rid in plan.decode]
+            admitted: list[Request] = []
+            for rid in plan.prefill:
+                req = self._live[rid]
+                if self._admit(req):
+                    admitted.append(req)
+                elif rid in self._live:  # no room now: waits for running requests' blocks
+                    break
+            share = plan_s / max(1, len(admitted) + len(decoders))
+            for req in admitted + decoders:
+                req.handle.metrics.sched_s += share
+            self.stats.sched_s += time.perf_counter() - t0
+            if not admitted and not decoders:
+                self._unblock()
+                return 0
+            batch = [self._prefill_input(r) for r in admitted] + [self._decode_input(r) for r in decoders]
+            t1 = time.perf_counter()
+            try:
+                logits = self.runner.forward(batch)
+            except Exception as exc:
+                log.warning("forward step of %d sequences failed: %r", len(batch), exc)
+                for req in admitted + decoders:
+                    self._fail(req, exc)
+                return 0
+            self.stats.forward_s += time.perf_counter() - t1
+            self.stats.steps += 1
+            for req, lg in zip(admitted, logits[: len(admitted)]):
+                req.handle.metrics.batch_sizes.append(len(batch))
+                self._after_prefill(req, lg)
+            for req, lg in zip(decoders, logits[len(admitted):]):
+                if req.rid in self._live:
+                    req.handle.metrics.batch_sizes.append(len(batch))
+                    self._after_token(req, lg)
+            return len(batch)
 
-    def _node_runs(self, req: _Request) -> list[KVRun]:
-        return [KVRun(tuple(n.device_blocks), 0, n.num_tokens) for n in req.path]
+    def _unblock(self) -> None:
+        """Nothing runs and the first waiting request still got no room: only possible when the
+        arena is held by something outside the loop; fail it rather than spin."""
+        if self.scheduler.running or not self.scheduler.pending:
+            return
+        req = self._live[self.scheduler.order()[0].rid]
+        self._fail(req, CacheBudgetError(
+            f"no room in the device arena for request {req.rid} although no other request runs"))
 
-    def _prefill_input(self, req: _Request) -> ForwardInput:
-        new = tuple(t for s, _ in req.pending for t in s.token_ids) + req.tail
-        target = [KVRun(tuple(b), 0, len(s)) for s, b in req.pending]
-        target.append(KVRun(tuple(req.tail_blocks), 0, len(req.tail)))
-        return ForwardInput(new, tuple(self._node_runs(req)), tuple(target))
+    def _refresh_estimates(self) -> None:
+        for rid in self.scheduler.pending:
+            req = self._live[rid]
+            lead = req.plan.lead
+            cached = self.cache.match([s.key for s in lead]).cached_tokens if lead else 0
+            self.scheduler.update(rid, cached, req.prompt_tokens - cached)
 
-    def _commit(self, req: _Request) -> None:
-        cached_nodes = len(req.path)
-        alpha = sum(n.num_tokens for n in req.path)
-        beta = sum(len(s) for s, _ in req.pending) + len(req.tail)
-        parent = req.path[-1] if req.path else None
-        while req.pending:
-            seg, blocks = req.pending.pop(0)
-            parent = self.cache.insert(parent, seg.key, len(seg), blocks)
-            req.path.append(parent)
-        if req.use_cache:
-            computed = [False] * cached_nodes + [True] * (len(req.path) - cached_nodes)
-            self.cache.record_request(req.path, computed, alpha, beta)
+    def _admit(self, req: Request) -> bool:
+        m = req.handle.metrics
+        m.admit_attempts += 1
+        t0, c0 = time.perf_counter(), self.cache.stats.copy_s
+        try:
+            lease = self.cache.admit([SegmentSpec(s.key, len(s)) for s in req.plan.lead],
+                                     req.rest_tokens + req.sampling.max_tokens)
+        except Exception as exc:  # can never fit, or a swap-in failed
+            self._fail(req, exc)
+            return False
+        finally:
+            self._charge(m, t0, c0)
+        if lease is None:
+            return False
+        req.lease = lease
+        m.admitted = time.perf_counter()
+        self.scheduler.start(req.rid)
+        return True
 
-    def _decode_input(self, req: _Request, token: int) -> ForwardInput:
-        """The one-token decode step of ``req`` that feeds ``token`` (its last sampled token)."""
-        pos = len(req.tail) + len(req.generated) - 1
-        blocks = tuple(req.tail_blocks)
-        return ForwardInput((token,), tuple(self._node_runs(req)) + (KVRun(blocks, 0, pos),), (KVRun(blocks, pos, 1),))
+    def _charge(self, m: RequestMetrics, t0: float, c0: float) -> None:
+        copy = self.cache.stats.copy_s - c0
+        m.kv_copy_s += copy
+        m.sched_s += time.perf_counter() - t0 - copy
 
-    def _accept_token(self, req: _Request, token: int, text: IncrementalText,
-                      on_text: Callable[[str], None]) -> FinishReason | None:
+    def _prefill_input(self, req: Request) -> ForwardInput:
+        lease = req.lease
+        cached = tuple(KVRun(tuple(n.device_blocks or ()), 0, n.num_tokens) for n in lease.path[: lease.reused])
+        target = [KVRun(tuple(p.blocks), 0, p.spec.num_tokens) for p in lease.pending]
+        target.append(KVRun(tuple(lease.tail_blocks), 0, req.rest_tokens))
+        new = tuple(t for s in req.plan.lead[lease.reused:] for t in s.token_ids) + req.plan.rest
+        return ForwardInput(new, cached, tuple(target))
+
+    def _decode_input(self, req: Request) -> ForwardInput:
+        """The one-token decode step that feeds ``req.next_token`` (its last sampled token)."""
+        lease = req.lease
+        pos = req.rest_tokens + len(req.generated) - 1
+        tail = tuple(lease.tail_blocks)
+        nodes = tuple(KVRun(tuple(n.device_blocks or ()), 0, n.num_tokens) for n in lease.path)
+        return ForwardInput((req.next_token,), nodes + (KVRun(tail, 0, pos),), (KVRun(tail, pos, 1),))
+
+    def _after_prefill(self, req: Request, logits: torch.Tensor) -> None:
+        m = req.handle.metrics
+        try:
+            t0, c0 = time.perf_counter(), self.cache.stats.copy_s
+            req.computed = req.lease.pending_tokens + req.rest_tokens
+            self.cache.commit(req.lease, req.rest_tokens)
+            self._charge(m, t0, c0)
+            if req.keep_logits:
+                req.handle.first_logits = logits.clone()
+        except Exception as exc:
+            self._fail(req, exc)
+            return
+        m.first_token = time.perf_counter()
+        self._after_token(req, logits)
+
+    def _after_token(self, req: Request, logits: torch.Tensor) -> None:
+        try:
+            token = sample_token(logits, req.sampling, req.generator)
+            reason = self._accept_token(req, token)
+        except Exception as exc:  # e.g. the caller's on_text raised
+            self._fail(req, exc)
+            return
+        if reason is None:
+            req.next_token = token
+            return
+        m = req.handle.metrics
+        try:
+            self.cache.finish(req.lease)
+        finally:
+            self._forget(req)
+        m.finished = time.perf_counter()
+        self.stats.finished += 1
+        if not req.handle.future.done():
+            req.handle.future.set_result(self._result(req, reason))
+
+    def _accept_token(self, req: Request, token: int) -> FinishReason | None:
         """Take one sampled token: emit its text; return why the request ends, or None to go on."""
+        text, on_text = req.text, req.on_text
         if token in self.stop_ids:
             tail = text.flush()
             if tail:
@@ -492,22 +684,51 @@ class RAGCacheEngine:
             return "length"
         return None
 
-    def _decode(self, req, token, text, on_text, gen) -> FinishReason:
-        while True:
-            reason = self._accept_token(req, token, text, on_text)
-            if reason is not None:
-                return reason
-            if req.cancel.is_set():
-                raise RequestCancelledError("the request was cancelled")
-            token = sample_token(self.runner.forward([self._decode_input(req, token)])[0], req.sampling, gen)
+    def _result(self, req: Request, reason: FinishReason) -> GenerationResult:
+        m, lease = req.handle.metrics, req.lease
+        return GenerationResult(
+            answer=req.text.emitted,
+            token_ids=tuple(req.generated),
+            finish_reason=reason,
+            ttft_s=m.first_token - m.submitted,
+            total_s=m.finished - m.submitted,
+            prompt_tokens=req.prompt_tokens,
+            cached_tokens=req.prompt_tokens - req.computed,
+            computed_tokens=req.computed,
+            device_hits=lease.device_hits if lease else 0,
+            host_hits=lease.host_hits if lease else 0,
+            documents=tuple(s.doc_id for s in req.segments if s.doc_id is not None),
+            dropped_documents=req.dropped,
+            model=self.model_name,
+        )
 
-    def _finish(self, req: _Request) -> None:
-        if req.path:
-            self.cache.release(req.path)
-            req.path = []
-        for _, blocks in req.pending:
-            self.cache.free(blocks)
-        req.pending = []
-        if req.tail_blocks:
-            self.cache.free(req.tail_blocks)
-            req.tail_blocks = []
+    def _forget(self, req: Request) -> None:
+        self._live.pop(req.rid, None)
+        self.scheduler.remove(req.rid)
+
+    def _fail(self, req: Request, exc: BaseException) -> None:
+        try:
+            if req.lease is not None:
+                self.cache.finish(req.lease)
+        finally:
+            self._forget(req)
+            req.handle.metrics.finished = time.perf_counter()
+            if isinstance(exc, RequestCancelledError):
+                self.stats.cancelled += 1
+            else:
+                self.stats.failed += 1
+            if not req.handle.future.done():
+                req.handle.future.set_exception(exc)
+
+
+async def _settled(handle: RequestHandle) -> None:
+    """Wait until a cancelled request has been finished by the loop (its blocks freed)."""
+    await asyncio.wait([asyncio.wrap_future(handle.future)])
+
+
+def _final_chunk(fut) -> StreamChunk | BaseException:
+    """The last item of a stream: the result chunk, or the request's error."""
+    if fut.cancelled():
+        return RequestCancelledError("the request was cancelled")
+    exc = fut.exception()
+    return exc if exc is not None else StreamChunk("", fut.result())

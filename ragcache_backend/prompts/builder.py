@@ -6,8 +6,12 @@ A request's prompt is ``[prefix, document_1, ..., document_k, tail]``:
   it is the first level of the knowledge tree (the system-prompt node);
 * each **document** is tokenised on its own, so its token ids, and so its KV boundaries, are the
   same wherever it appears; it becomes one node per distinct path;
-* the **tail** = the question and the template's closing (``assistant`` turn start); it is never
-  cached.
+* the **tail** = the question and the template's closing (``assistant`` turn start).
+
+:func:`plan_prompt` says which tokens the knowledge tree may serve: with whole-prompt reuse (the
+default, as vLLM's prefix cache) every segment is a tree node except the prompt's last token,
+which is always computed for the first token's logits; without it, only the leading run of
+cacheable segments.
 
 Text that comes from users (system prompt, documents, question) is tokenised with special-token
 parsing *off*: a document containing ``<|im_end|>`` gets the plain-text tokens of that string,
@@ -152,3 +156,38 @@ class PromptBuilder:
         """Segments for a RAG request: prefix, one per ``(text, doc_id)`` in retrieval order, tail."""
         tail = self.tail(question)
         return [self._prefix, *(self.document(t, d) for t, d in documents), tail]
+
+
+@dataclass(slots=True, frozen=True)
+class PromptPlan:
+    """How a prompt meets the knowledge tree.
+
+    Attributes:
+        lead: segments served from / inserted into the tree, in prompt order (a prefix path).
+        rest: token ids past the lead, always computed (never empty: at least the last token).
+    """
+
+    lead: tuple[Segment, ...]
+    rest: tuple[int, ...]
+
+
+def plan_prompt(segments: Sequence[Segment], *, whole_prompt: bool = True) -> PromptPlan:
+    """Split a prompt into its cacheable lead and the tokens always computed.
+
+    With ``whole_prompt`` every segment joins the lead, the last one without its final token (so
+    an exact repeat of a prompt reuses all but one token, RAGCache's tree extended to the
+    question as vLLM's block cache does); otherwise the lead is :func:`cacheable_lead`.
+
+    Raises:
+        InvalidRequestError: no segments.
+    """
+    if not segments:
+        raise InvalidRequestError("a prompt needs at least one segment")
+    if not whole_prompt:
+        lead = cacheable_lead(segments)
+        return PromptPlan(tuple(lead), tuple(t for s in segments[len(lead):] for t in s.token_ids))
+    *body, last = segments
+    lead = list(body)
+    if len(last) > 1:
+        lead.append(Segment(last.token_ids[:-1], last.kind, cacheable=True, doc_id=last.doc_id))
+    return PromptPlan(tuple(lead), last.token_ids[-1:])

@@ -58,17 +58,21 @@ def generation(engine, **kw) -> Generation:
 
 
 def test_transient_errors_are_retried() -> None:
-    engine = StubEngine(CacheBudgetError("arena full"), CacheBudgetError("arena full"))
+    engine = StubEngine(GenerationTimeoutError("slow"), GenerationTimeoutError("slow"))
     assert generation(engine, max_retries=2).run() is RESULT and engine.calls == 3
-    engine = StubEngine(CacheBudgetError("arena full"))
+    engine = StubEngine(GenerationTimeoutError("slow"))
     assert [c.text for c in generation(engine, max_retries=1).stream()] == ["ok", ""] and engine.calls == 2
 
 
 def test_retries_are_bounded_and_input_errors_never_retried() -> None:
-    engine = StubEngine(*[CacheBudgetError("arena full")] * 3)
-    with pytest.raises(CacheBudgetError):
+    engine = StubEngine(*[GenerationTimeoutError("slow")] * 3)
+    with pytest.raises(GenerationTimeoutError):
         generation(engine, max_retries=1).run()
     assert engine.calls == 2
+    engine = StubEngine(CacheBudgetError("this prompt can never fit the arena"))  # never retried
+    with pytest.raises(CacheBudgetError):
+        generation(engine, max_retries=3).run()
+    assert engine.calls == 1
     engine = StubEngine(InvalidRequestError("bad"))
     with pytest.raises(InvalidRequestError):
         generation(engine, max_retries=5).run()

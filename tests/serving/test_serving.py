@@ -43,7 +43,7 @@ def _at_baseline(engine) -> None:
     cache = engine.cache
     cache.check_invariants()
     assert cache.device_used_blocks == _node_blocks(cache), "a request's KV blocks leaked"
-    assert not cache._request_blocks and not cache._locked
+    assert cache.request_blocks == 0 and cache.locked_nodes == 0
 
 
 @pytest.mark.parametrize("reorder", [True, False])
@@ -161,7 +161,7 @@ def test_bounded_burst_of_hundreds_loses_nothing(tiny_model, fixed_profile):
         assert srv.in_flight == 0
     assert answered + errors + cancelled == 300
     assert answered >= 250
-    assert srv.stats["finished"] == answered
+    assert srv.stats.finished == answered
     _at_baseline(engine)
     assert engine.cache.device_used_blocks <= engine.cache.num_device_blocks
     assert engine.cache.host_used_bytes <= 256 * 1024

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ragcache_backend.config import EngineConfig
-from ragcache_backend.engine.engine import RAGCacheEngine, _Request
+from ragcache_backend.engine.engine import RAGCacheEngine
 from ragcache_backend.errors import (
     CacheBudgetError,
     ContextWindowError,
@@ -44,16 +44,8 @@ def engine(tiny_model, fixed_profile):
 
 
 def first_logits(engine: RAGCacheEngine, segments, use_cache: bool):
-    """Last-prompt-token logits through the engine's own admit/prefill/commit/finish steps."""
-    req = _Request(list(segments), SamplingParams(max_tokens=1), use_cache)
-    with engine._lock:
-        try:
-            engine._admit(req)
-            logits = engine.runner.forward([engine._prefill_input(req)])[0]
-            engine._commit(req)
-        finally:
-            engine._finish(req)
-    return logits, (req.acquired.cached_tokens if req.acquired else 0)
+    """Last-prompt-token logits through the engine's own request path (admit, prefill, commit, finish)."""
+    return engine.first_token_logits(segments, use_cache=use_cache)
 
 
 def assert_no_leak(engine: RAGCacheEngine) -> None:
@@ -70,7 +62,7 @@ def test_cached_prefix_gives_same_tokens_and_logits(engine):
     assert cached0 == 0
     first_logits(engine, segs, use_cache=True)  # fills the tree
     reused, cached = first_logits(engine, segs, use_cache=True)
-    assert cached == sum(len(s) for s in segs[:-1])  # system prompt + all documents
+    assert cached == sum(len(s) for s in segs) - 1  # whole-prompt reuse: all but the last token
     assert (reused - full).abs().max().item() < 1e-4
     # reference: the transformers model's own forward on the same token ids
     ids = torch.tensor([[t for s in segs for t in s.token_ids]])
