@@ -2,27 +2,40 @@
 
 Every error a user can cause is a :class:`~ragcache_backend.errors.RAGCacheError`; the CLI prints
 its message on one line and exits with status 2 (1 for unexpected failures), never a traceback.
+Every option is checked before any work (index load, model load): bad values, unknown choices
+and missing arguments are one line on stderr (``error: ...``) and exit status 2.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
+import inspect
 import json
 import logging
+import math
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from typer.models import OptionInfo
 
 from ragcache_backend.errors import RAGCacheError
+
+try:  # typer >= 0.2x runs on its own copy of click
+    from typer._click import exceptions as _click_errors
+except ImportError:  # pragma: no cover - older typer runs on click itself
+    from click import exceptions as _click_errors
 
 app = typer.Typer(
     help="ragcache: document-level KV caching for retrieval-augmented generation (RAGCache).",
@@ -32,12 +45,126 @@ out = Console()
 err = Console(stderr=True)
 
 
+#: Canonical dtype and policy names: those :class:`~ragcache_backend.config.EngineConfig` accepts.
+DTYPES = ("float32", "bfloat16", "float16")
+POLICIES = ("pgdsf", "gdsf", "lru", "lfu")
+#: Short dtype names, as :func:`ragcache_backend.model.loader.parse_dtype` also accepts them.
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _one_line(text: object) -> str:
+    return " ".join(str(text).split())
+
+
+def _print_error(message: object) -> None:
+    """``error: MESSAGE`` on one line of stderr (never wrapped, never rich markup from the message)."""
+    err.print(f"[bold red]error:[/] {escape(_one_line(message))}", highlight=False, soft_wrap=True)
+
+
+class NameChoice:
+    """Parser of a case-insensitive choice of names that also takes aliases and returns the canonical
+    name (``bf16`` -> ``bfloat16``); a wrong value fails with ``unknown <noun> 'x'; choose one of ...``.
+    ``metavar`` (``[float32|bfloat16|float16]``) is what ``--help`` shows.
+    """
+
+    def __init__(self, noun: str, choices: Sequence[str], aliases: Mapping[str, str] | None = None) -> None:
+        self.noun = noun
+        self.choices = tuple(choices)
+        self.aliases = dict(aliases or {})
+        self.metavar = "[" + "|".join(self.choices) + "]"
+
+    def __call__(self, value: Any) -> str:
+        key = str(value).strip().lower()
+        key = self.aliases.get(key, key)
+        if key in self.choices:
+            return key
+        also = f" (or {', '.join(self.aliases)})" if self.aliases else ""
+        raise typer.BadParameter(f"unknown {self.noun} {str(value)!r}; choose one of {', '.join(self.choices)}{also}")
+
+
+def _choice_option(default: str, decl: str, choice: NameChoice, help: str) -> Any:
+    return typer.Option(default, decl, parser=choice, metavar=choice.metavar, help=help)
+
+
+# Checks of comma-separated options, read exactly as ``bench`` reads them later; each returns the
+# text unchanged (an option callback).
+def _rates(text: str) -> str:
+    """``--rates``: empty (the mode's default) or numbers > 0, as ``float(x) for x in text.split(",")``."""
+    if not text:
+        return text
+    for item in text.split(","):
+        try:
+            value = float(item)
+        except ValueError:
+            raise typer.BadParameter(f"{item!r} is not a number (comma-separated request rates, req/s)") from None
+        if not (math.isfinite(value) and value > 0):
+            raise typer.BadParameter(f"request rate {item!r} must be a number > 0")
+    return text
+
+
+def _mib_sizes(text: str) -> str:
+    """Host-tier sizes: whole MiB >= 0, as ``int(x) for x in text.split(",") if x``."""
+    for item in (x for x in text.split(",") if x):
+        try:
+            value = int(item)
+        except ValueError:
+            raise typer.BadParameter(f"{item!r} is not a whole number of MiB") from None
+        if value < 0:
+            raise typer.BadParameter(f"size {item!r} must be >= 0 MiB")
+    return text
+
+
+def _names_in(what: str, known: Sequence[str]) -> Callable[[str], str]:
+    """Comma-separated names, each one of ``known`` (as ``x for x in text.split(",") if x``)."""
+    def check(text: str) -> str:
+        unknown = [x for x in text.split(",") if x and x not in known]
+        if unknown:
+            raise typer.BadParameter(f"unknown {what} {', '.join(map(repr, unknown))}; choose from {', '.join(known)}")
+        return text
+
+    return check
+
+
+def _new_file(value: Optional[Path]) -> Optional[Path]:
+    """An output file: not a folder, and its folder exists (checked now, not after minutes of work)."""
+    if value is None:
+        return value
+    if value.is_dir():
+        raise typer.BadParameter(f"{value} is a folder; give a file name")
+    parent = value.expanduser().resolve().parent
+    if not parent.is_dir():
+        raise typer.BadParameter(f"folder {parent} does not exist")
+    return value
+
+
+def _not_a_file(value: Path) -> Path:
+    if value.exists() and not value.is_dir():
+        raise typer.BadParameter(f"{value} exists and is not a folder")
+    return value
+
+
+def _existing_model(value: Optional[str]) -> Optional[str]:
+    if value and not Path(value).expanduser().exists():
+        raise typer.BadParameter(f"model path does not exist: {value}")
+    return value
+
+
+def _validation_message(exc: Exception) -> str:
+    """A pydantic ``ValidationError`` as one line: ``field: message; field: message``."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        with contextlib.suppress(Exception):
+            return "; ".join(f"{'.'.join(map(str, e.get('loc', ()))) or 'config'}: {e.get('msg', '')}"
+                             for e in errors())
+    return _one_line(exc)
+
+
 @contextlib.contextmanager
 def _user_errors() -> Iterator[None]:
     try:
         yield
     except RAGCacheError as exc:
-        err.print(f"[bold red]error:[/] {exc}", highlight=False)
+        _print_error(exc)
         raise typer.Exit(2) from None
     except KeyboardInterrupt:
         err.print("interrupted")
@@ -62,12 +189,24 @@ def _quiet_loaders() -> None:
     hf_logging.set_verbosity_error()
 
 
-def _engine(model: Optional[str], dtype: str, threads: int, policy: str = "pgdsf", store=None):
+def _config(model: Optional[str], dtype: str, threads: int, policy: str = "pgdsf"):
+    """The engine configuration, built (and so validated) before the index or the model is loaded."""
+    from pydantic import ValidationError
+
     from ragcache_backend.config import EngineConfig
+    from ragcache_backend.errors import InvalidRequestError
+
+    try:
+        return EngineConfig(model=model, dtype=dtype, threads=threads, policy=policy)
+    except ValidationError as exc:  # the options are checked above; this is the safety net
+        raise InvalidRequestError(f"invalid engine configuration: {_validation_message(exc)}") from None
+
+
+def _engine(config, store=None):
     from ragcache_backend.engine.engine import RAGCacheEngine
 
     with err.status("loading the model (and, the first time, measuring its prefill profile)..."):
-        return RAGCacheEngine(EngineConfig(model=model, dtype=dtype, threads=threads, policy=policy), store=store)
+        return RAGCacheEngine(config, store=store)
 
 
 def _store(corpus: Optional[Path], *, rebuild: bool = False):
@@ -81,8 +220,10 @@ def _store(corpus: Optional[Path], *, rebuild: bool = False):
 
 
 MODEL = typer.Option(None, "--model", help="GGUF file or HF folder of a Llama-family model (default: SmolLM2-135M-Instruct)")
-DTYPE = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16")
-THREADS = typer.Option(os.cpu_count() or 1, "--threads", help="torch threads")
+DTYPE = _choice_option("float32", "--dtype", NameChoice("dtype", DTYPES, DTYPE_ALIASES),
+                       help="weights and KV dtype (also fp32, bf16, fp16)")
+THREADS = typer.Option(os.cpu_count() or 1, "--threads", min=1, help="torch threads")
+POLICY = _choice_option("pgdsf", "--policy", NameChoice("policy", POLICIES), help="cache replacement policy")
 CORPUS = typer.Option(None, "--corpus", help="folder of .rst/.txt/.md/.html (default: the Python 3.11 docs)")
 
 
@@ -95,6 +236,7 @@ def index(
     with _user_errors():
         from ragcache_backend.retrieval.docstore import default_store_dir
 
+        _precheck(corpus, None)
         store = _store(corpus, rebuild=rebuild)
         out.print(f"{len(store)} chunks indexed ({store.index_kind.value}) in {default_store_dir(corpus)}")
 
@@ -104,7 +246,7 @@ def ask(
     question: str = typer.Argument(..., help="the question"),
     corpus: Optional[Path] = CORPUS,
     k: int = typer.Option(3, "--k", min=1, help="documents to retrieve"),
-    policy: str = typer.Option("pgdsf", "--policy", help="pgdsf | gdsf | lru | lfu"),
+    policy: str = POLICY,
     max_tokens: int = typer.Option(128, "--max-tokens", min=1),
     as_json: bool = typer.Option(False, "--json", help="print the result as JSON"),
     model: Optional[str] = MODEL,
@@ -118,13 +260,10 @@ def ask(
 
         if not question.strip():
             raise EmptyQueryError("the question is empty")
-        if policy not in {"pgdsf", "gdsf", "lru", "lfu"}:
-            from ragcache_backend.errors import UnknownPolicyError
-
-            raise UnknownPolicyError(f"unknown policy {policy!r}; choose pgdsf, gdsf, lru or lfu")
         _precheck(corpus, model)
+        config = _config(model, dtype, threads, policy)
         store = _store(corpus)
-        engine = _engine(model, dtype, threads, policy, store)
+        engine = _engine(config, store)
         hits = store.search(question, k)
         sampling = SamplingParams(max_tokens=max_tokens)
         if as_json:
@@ -148,7 +287,8 @@ def ask(
 @app.command()
 def demo(
     questions: int = typer.Option(8, "--questions", min=1, help="FAQ questions to sample"),
-    json_file: Optional[Path] = typer.Option(None, "--json", help="write per-question records and the ratio here"),
+    json_file: Optional[Path] = typer.Option(None, "--json", callback=_new_file, dir_okay=False,
+                                             help="write per-question records and the ratio here"),
     corpus: Optional[Path] = CORPUS,
     k: int = typer.Option(3, "--k", min=1, help="documents per question"),
     max_tokens: int = typer.Option(48, "--max-tokens", min=1),
@@ -163,9 +303,10 @@ def demo(
         from ragcache_backend.demo.demo import run_demo, write_report
 
         _precheck(corpus, model)
+        config = _config(model, dtype, threads)
         docs_root = python_docs_dir()
         store = _store(corpus)
-        engine = _engine(model, dtype, threads, store=store)
+        engine = _engine(config, store=store)
         pool = faq_questions(docs_root)
         with err.status("") as status:
             report = run_demo(
@@ -189,20 +330,86 @@ def demo(
             out.print(f"wrote {json_file}")
 
 
+#: Bounds of ``ragcache bench``'s numeric options (0 means "the mode's default" where allowed).
+BENCH_MIN = {"threads": 1, "num_requests": 0, "warmup": 0, "max_tokens": 0, "k": 1, "zipf": 0.0,
+             "device_mib": 0, "host_mib": 0, "max_batch_size": 1, "max_batch_tokens": 1, "window": 0,
+             "mmlu": 0, "policy_sim": 0, "drift_every": 1}
+BENCH_CHOICES = {"corpus": NameChoice("corpus", ("docs", "faq"))}
+
+
+def _checked_bench(bench: Callable[..., Any]) -> Callable[..., Any]:
+    """``bench`` with every option checked before it starts (bounds and choices shown in ``--help``,
+    comma-separated lists and paths checked while parsing) and user errors as one line, exit 2."""
+    from ragcache_backend.bench.bench import OUR_SYSTEMS, PEER_VENVS
+
+    callbacks = {
+        "out": _not_a_file, "model": _existing_model, "rates": _rates, "host_sizes": _mib_sizes,
+        "sim_host_sizes": _mib_sizes, "peers": _names_in("peer", tuple(PEER_VENVS)),
+        "ours": _names_in("system", tuple(s.name for s in OUR_SYSTEMS)),
+    }
+    signature = inspect.signature(bench, eval_str=True)
+    params = []
+    for param in signature.parameters.values():
+        info = param.default
+        if isinstance(info, OptionInfo) and (
+                param.name in BENCH_MIN or param.name in BENCH_CHOICES or param.name in callbacks):
+            info = copy.copy(info)
+            if param.name in BENCH_MIN:
+                info.min = BENCH_MIN[param.name]
+            if param.name in BENCH_CHOICES:
+                info.parser = BENCH_CHOICES[param.name]
+                info.metavar = BENCH_CHOICES[param.name].metavar
+            if param.name in callbacks:
+                info.callback = callbacks[param.name]
+            param = param.replace(default=info)
+        params.append(param)
+
+    @functools.wraps(bench)
+    def checked(**kwargs: Any) -> Any:
+        with _user_errors():
+            return bench(**kwargs)
+
+    checked.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+    return checked
+
+
 def _register_optional() -> None:
     with contextlib.suppress(ImportError):
         from ragcache_backend.bench.bench import bench
 
-        app.command(name="bench")(bench)
+        app.command(name="bench")(_checked_bench(bench))
 
 
 _register_optional()
 
 
-def main() -> None:
-    """Console-script entry point."""
+class _NeverRaised(Exception):
+    pass
+
+
+_NoArgsIsHelp = getattr(_click_errors, "NoArgsIsHelpError", _NeverRaised)  # click >= 8.2
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Console-script entry point: exits 0, 2 for anything the user can fix (one line), 1 otherwise."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    app()
+    command = typer.main.get_command(app)
+    try:
+        code = command.main(args=None if argv is None else list(argv), prog_name="ragcache", standalone_mode=False)
+    except _NoArgsIsHelp as exc:
+        exc.show()  # bare `ragcache`: the help, as before
+        sys.exit(exc.exit_code)
+    except _click_errors.UsageError as exc:  # bad option value, unknown option, missing argument
+        hint = f" (see '{exc.ctx.command_path} --help')" if exc.ctx is not None else ""
+        _print_error(f"{exc.format_message()}{hint}")
+        sys.exit(2)
+    except _click_errors.ClickException as exc:
+        _print_error(exc.format_message())
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        err.print("aborted")
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":
