@@ -16,13 +16,14 @@ The runner also implements :class:`ragcache_backend.cache.tiers.KVMover` (swap o
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ragcache_backend.errors import InvalidRequestError
-from ragcache_backend.model.kernels import apply_rope, attention, prefix_causal_bias, rope_cos_sin
+from ragcache_backend.model.kernels import apply_rope, attention, attention_over_prefix, attention_plan, rope_cos_sin
 from ragcache_backend.model.loader import LoadedModel
 
 
@@ -72,6 +73,55 @@ class HostKV:
         return self.k.numel() * self.k.element_size() * 2
 
 
+@dataclass(slots=True)
+class _LayerWeights:
+    """One decoder layer's weights as the runner uses them: Q/K/V and gate/up fused into one GEMM
+    each (the module's own parameters become views of the fused tensors: no copy is kept)."""
+
+    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, hidden]
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.nn.Module
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down_proj: torch.nn.Module
+    act: Callable[[torch.Tensor], torch.Tensor]
+    norm_shape: tuple[int, ...]
+    input_norm: torch.Tensor
+    input_eps: float
+    post_norm: torch.Tensor
+    post_eps: float
+
+
+def _fuse(linears: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the weights (and biases) of ``linears`` along their output dimension and make
+    each module's parameters views of the result."""
+    weight = torch.cat([m.weight.detach() for m in linears])
+    bias = None
+    if any(m.bias is not None for m in linears):
+        bias = torch.cat([m.bias.detach() if m.bias is not None else weight.new_zeros(m.out_features) for m in linears])
+    row = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        m.weight = torch.nn.Parameter(weight[row : row + rows], requires_grad=False)
+        if m.bias is not None:
+            m.bias = torch.nn.Parameter(bias[row : row + rows], requires_grad=False)
+        row += rows
+    return weight, bias
+
+
+def _fuse_layer(layer: torch.nn.Module) -> _LayerWeights:
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+    gate_up, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
+    if gate_up_bias is not None:
+        raise InvalidRequestError("MLP biases are not supported by the runner")
+    return _LayerWeights(
+        qkv=qkv, qkv_bias=qkv_bias, o_proj=attn.o_proj, gate_up=gate_up, down_proj=mlp.down_proj, act=mlp.act_fn,
+        norm_shape=(layer.input_layernorm.weight.shape[0],),
+        input_norm=layer.input_layernorm.weight, input_eps=float(layer.input_layernorm.variance_epsilon),
+        post_norm=layer.post_attention_layernorm.weight, post_eps=float(layer.post_attention_layernorm.variance_epsilon),
+    )
+
+
 def kv_bytes_per_token(loaded: LoadedModel) -> int:
     """Bytes of K and V for one token across all layers of ``loaded`` in its dtype."""
     cfg = loaded.model.config
@@ -88,8 +138,7 @@ class ModelRunner:
         num_device_blocks: size of the device arena, in blocks.
         block_size: tokens per block.
 
-    The arena is allocated with ``torch.empty`` up front, so on the CPU memory is committed only
-    as blocks get written.
+    The arena is allocated (and touched) up front: its memory is committed at construction.
     """
 
     def __init__(self, loaded: LoadedModel, num_device_blocks: int, block_size: int = 16) -> None:
@@ -112,9 +161,12 @@ class ModelRunner:
         self._inv_freq = rotary.inv_freq.to(self.device, torch.float32)
         self._rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
         self._scale = float(getattr(self._layers[0].self_attn, "scaling", self.head_dim**-0.5))
+        self._weights = [_fuse_layer(layer) for layer in self._layers]
         shape = (self.num_layers, num_device_blocks * block_size, self.num_kv_heads, self.head_dim)
-        self.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
-        self.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        # zeros, not empty: the arena is committed up front (a bounded budget, as vLLM's), so the
+        # first write to a block never pays the page faults of lazily committed memory
+        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     # ---- sizes -------------------------------------------------------------------------------
     @property
@@ -159,18 +211,17 @@ class ModelRunner:
         lengths = [len(item.new_tokens) for item in batch]
         if not batch or min(lengths) < 1:
             raise InvalidRequestError("forward needs at least one sequence with at least one new token")
-        ctx_slots, new_slots, positions, biases = [], [], [], []
+        cached_slots, new_slots, positions, modes = [], [], [], []
         for item, n in zip(batch, lengths):
             cached = self.slots(item.cached)
             target = self.slots(item.target)
             if target.numel() != n:
                 raise InvalidRequestError(f"target runs hold {target.numel()} slots for {n} new tokens")
-            ctx_slots.append(torch.cat([cached, target]) if cached.numel() else None)
+            cached_slots.append(cached if cached.numel() else None)
             new_slots.append(target)
             start = cached.numel()
             positions.append(torch.arange(start, start + n, device=self.device))
-            # causal mask offset by the cached prefix, built once for all layers (decode needs none)
-            biases.append(prefix_causal_bias(n, start + n, self.dtype, self.device) if start and n > 1 else None)
+            modes.append(attention_plan(start, n, self.dtype, self.device))
         ids = torch.tensor([t for item in batch for t in item.new_tokens], dtype=torch.int64, device=self.device)
         cos, sin = rope_cos_sin(self._inv_freq, torch.cat(positions), attention_scaling=self._rope_scaling, dtype=self.dtype)
         write = torch.cat(new_slots)
@@ -179,7 +230,7 @@ class ModelRunner:
             offsets.append(offsets[-1] + n)
         h = self._embed(ids)  # [N, hidden]
         for layer_idx, layer in enumerate(self._layers):
-            h = self._layer(layer_idx, layer, h, cos, sin, write, ctx_slots, offsets, biases)
+            h = self._layer(layer_idx, layer, h, cos, sin, write, cached_slots, offsets, modes)
         if all_logits:
             hidden = [h[offsets[i] : offsets[i + 1]] for i in range(len(batch))]
         else:
@@ -191,27 +242,31 @@ class ModelRunner:
             pos += chunk.shape[0]
         return out
 
-    def _layer(self, idx, layer, h, cos, sin, write, ctx_slots, offsets, biases) -> torch.Tensor:
-        attn = layer.self_attn
+    def _layer(self, idx, layer, h, cos, sin, write, cached_slots, offsets, modes) -> torch.Tensor:
+        w = self._weights[idx]
         n = h.shape[0]
-        x = layer.input_layernorm(h)
-        q = apply_rope(attn.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)  # [N, Hq, D]
-        k = apply_rope(attn.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)  # [N, Hkv, D]
-        v = attn.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        hq, hkv = self.num_heads, self.num_kv_heads
+        x = F.rms_norm(h, w.norm_shape, w.input_norm, w.input_eps)
+        qkv = F.linear(x, w.qkv, w.qkv_bias).view(n, hq + 2 * hkv, self.head_dim)  # one GEMM for Q, K, V
+        qk = apply_rope(qkv[:, : hq + hkv], cos, sin)  # RoPE on Q and K heads at once
+        q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :]  # [N, Hq, D], [N, Hkv, D], [N, Hkv, D]
         kc, vc = self.k_cache[idx], self.v_cache[idx]  # [slots, Hkv, D]
         kc.index_copy_(0, write, k)
         vc.index_copy_(0, write, v)
         outs = []
-        for i, slots in enumerate(ctx_slots):
+        for i, slots in enumerate(cached_slots):
             lo, hi = offsets[i], offsets[i + 1]
             if slots is None:  # cold prefill: attend over the fresh K/V directly
                 outs.append(attention(q[lo:hi], k[lo:hi], v[lo:hi], scale=self._scale))
-            else:
-                outs.append(attention(q[lo:hi], kc.index_select(0, slots), vc.index_select(0, slots), scale=self._scale,
-                                      mask=biases[i]))
+            else:  # the cached context from the arena, then this step's fresh K/V (no re-gather)
+                ctx_k = torch.cat((kc.index_select(0, slots), k[lo:hi]))
+                ctx_v = torch.cat((vc.index_select(0, slots), v[lo:hi]))
+                outs.append(attention_over_prefix(q[lo:hi], ctx_k, ctx_v, scale=self._scale, plan=modes[i]))
         a = torch.cat(outs) if len(outs) > 1 else outs[0]
-        h = h + attn.o_proj(a.reshape(n, self.num_heads * self.head_dim))
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        h = h + w.o_proj(a.reshape(n, hq * self.head_dim))
+        x = F.rms_norm(h, w.norm_shape, w.post_norm, w.post_eps)
+        gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)  # one GEMM for gate and up
+        return h + w.down_proj(w.act(gate) * up)
 
     # ---- KVMover (tiers) -----------------------------------------------------------------------
     def host_nbytes(self, num_tokens: int) -> int:

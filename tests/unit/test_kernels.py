@@ -83,3 +83,23 @@ def test_prefix_causal_bias_equals_the_boolean_mask():
     assert torch.equal(attention(q, k, v, scale=0.3, mask=bias), attention(q, k, v, scale=0.3, mask=prefix_causal_mask(t, s)))
     with pytest.raises(ValueError):
         attention(q, k, v, scale=0.3, mask=bias[:, :-1])
+
+
+@pytest.mark.parametrize("cached,new", [(0, 7), (3, 40), (40, 40), (90, 12), (50, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_over_prefix_matches_the_masked_reference(cached, new, dtype):
+    from ragcache_backend.model.kernels import attention_over_prefix, attention_plan, prefix_causal_mask
+
+    g = torch.Generator().manual_seed(cached * 100 + new)
+    q = torch.randn(new, 6, 16, generator=g).to(dtype)
+    k = torch.randn(cached + new, 2, 16, generator=g).to(dtype)
+    v = torch.randn(cached + new, 2, 16, generator=g).to(dtype)
+    plan = attention_plan(cached, new, dtype)
+    assert plan.padded_causal == (0 < cached <= new and new > 1)
+    out = attention_over_prefix(q, k, v, scale=0.25, plan=plan)
+    ref = attention(q.float(), k.float(), v.float(), scale=0.25, mask=prefix_causal_mask(new, cached + new))
+    assert out.shape == (new, 6, 16) and out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (out.float() - ref).abs().max().item() < tol
+    with pytest.raises(ValueError):
+        attention_over_prefix(q[:1], k, v, scale=0.25, plan=plan) if new > 1 else attention_plan(0, 0, dtype)

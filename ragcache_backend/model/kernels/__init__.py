@@ -4,7 +4,14 @@ The torch implementations here are the reference that runs on every device. Any 
 path (CUDA/Triton) must match them in ``tests/unit/test_kernels.py``.
 """
 
-from ragcache_backend.model.kernels.attention import attention, prefix_causal_bias, prefix_causal_mask
+from ragcache_backend.model.kernels.attention import (
+    AttentionPlan,
+    attention,
+    attention_over_prefix,
+    attention_plan,
+    prefix_causal_bias,
+    prefix_causal_mask,
+)
 from ragcache_backend.model.kernels.rope import apply_rope, rerotate, rope_cos_sin
 
-__all__ = ["apply_rope", "attention", "prefix_causal_bias", "prefix_causal_mask", "rerotate", "rope_cos_sin"]
+__all__ = ["AttentionPlan", "apply_rope", "attention", "attention_over_prefix", "attention_plan", "prefix_causal_bias", "prefix_causal_mask", "rerotate", "rope_cos_sin"]

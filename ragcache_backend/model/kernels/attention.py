@@ -8,6 +8,8 @@ An arbitrary boolean mask is accepted too (selective recomputation, Cache-Craft 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -91,3 +93,62 @@ def attention(
         m = _additive(prefix_causal_mask(t, s, device=q.device), q.dtype)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=m, scale=scale, enable_gqa=gqa)
     return out.squeeze(0).transpose(0, 1)  # [T, Hq, D]
+
+
+@dataclass(slots=True, frozen=True)
+class AttentionPlan:
+    """How ``T`` new queries attend over ``P`` cached keys followed by their own ``T`` keys.
+
+    Attributes:
+        num_cached: ``P``, context tokens before the new ones.
+        num_new: ``T``.
+        padded_causal: run PyTorch's causal kernel over the whole context with ``P`` zero query
+            rows in front (their output dropped). Causal work is ``(P + T)^2 / 2`` and wastes
+            ``P^2 / 2``; the masked kernel does ``T (P + T)`` and wastes ``T^2 / 2``, so the
+            padded form wins when ``P <= T`` (e.g. a cache miss over a cached system prompt),
+            and it is the same kernel, with the same key blocking, as a cold prefill.
+        bias: the additive ``[T, P + T]`` mask of the masked form (None otherwise).
+    """
+
+    num_cached: int
+    num_new: int
+    padded_causal: bool
+    bias: torch.Tensor | None
+
+
+def attention_plan(num_cached: int, num_new: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> AttentionPlan:
+    """Choose the attention form for one sequence of a forward step; build once, use in every layer.
+
+    Raises:
+        ValueError: ``num_new < 1`` or ``num_cached < 0``.
+    """
+    if num_new < 1 or num_cached < 0:
+        raise ValueError(f"attention_plan: need num_new >= 1 and num_cached >= 0, got {num_cached}, {num_new}")
+    if num_new == 1 or num_cached == 0:  # decode needs no mask; a cold prefill is plain causal
+        return AttentionPlan(num_cached, num_new, False, None)
+    if num_cached <= num_new:
+        return AttentionPlan(num_cached, num_new, True, None)
+    return AttentionPlan(num_cached, num_new, False, prefix_causal_bias(num_new, num_cached + num_new, dtype, device))
+
+
+def attention_over_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+                          plan: AttentionPlan) -> torch.Tensor:
+    """:func:`attention` of ``T`` new queries over ``P`` cached + ``T`` new keys, in the form
+    ``plan`` chose (the result is the same up to rounding).
+
+    Args:
+        q: ``[T, Hq, D]``; k, v: ``[P + T, Hkv, D]``.
+
+    Returns:
+        ``[T, Hq, D]`` in ``q``'s dtype.
+
+    Raises:
+        ValueError: shapes that do not match ``plan``.
+    """
+    t, s = q.shape[0], k.shape[0]
+    if t != plan.num_new or s != plan.num_cached + plan.num_new:
+        raise ValueError(f"attention_over_prefix: q {tuple(q.shape)}, k {tuple(k.shape)} do not match {plan}")
+    if plan.padded_causal:
+        padded = torch.cat((q.new_zeros((plan.num_cached, *q.shape[1:])), q))
+        return attention(padded, k, v, scale=scale)[plan.num_cached:]
+    return attention(q, k, v, scale=scale, mask=plan.bias)
