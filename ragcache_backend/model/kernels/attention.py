@@ -76,6 +76,8 @@ def attention(
     s, hkv, dk = k.shape
     if dk != d or v.shape != k.shape or hq % hkv != 0 or t > s:
         raise ValueError(f"attention: bad shapes q={tuple(q.shape)} k={tuple(k.shape)} v={tuple(v.shape)}")
+    if t == 1 and mask is None:  # decode: one query; the flash kernel costs ~4x more here
+        return _single_query(q, k, v, scale)
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, T, D]
     kh = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
     vh = v.transpose(0, 1).unsqueeze(0)
@@ -93,6 +95,21 @@ def attention(
         m = _additive(prefix_causal_mask(t, s, device=q.device), q.dtype)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=m, scale=scale, enable_gqa=gqa)
     return out.squeeze(0).transpose(0, 1)  # [T, Hq, D]
+
+
+def _single_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query over ``S`` keys in float32 with two batched GEMMs (GQA by grouping query heads).
+
+    PyTorch's CPU flash kernel spends ~0.45 ms on a 1 x 1,000 decode step for 9 heads (it splits
+    work by query blocks); this takes ~0.13 ms with the same float32 accumulation.
+    """
+    _, hq, d = q.shape
+    s, hkv, _ = k.shape
+    g = hq // hkv
+    qh = q.view(hkv, g, d).float()  # heads of one KV group are adjacent, as in repeat_interleave
+    scores = torch.bmm(qh, k.permute(1, 2, 0).float()).mul_(scale)  # [Hkv, g, S]
+    out = torch.bmm(torch.softmax(scores, dim=-1), v.transpose(0, 1).float())  # [Hkv, g, D]
+    return out.reshape(1, hq, d).to(q.dtype)
 
 
 @dataclass(slots=True, frozen=True)
