@@ -50,8 +50,9 @@ class RAGCacheParams(BaseModel):
                     "step; None = no limit")
     max_retries: int = Field(
         default=2, ge=0,
-        description="further attempts after a transient error (device KV arena full, timeout); "
-                    "input errors are never retried")
+        description="further attempts after a timed-out attempt; input errors and prompts that "
+                    "can never fit the device KV arena are never retried (a momentarily full arena "
+                    "is no error: the request waits for room)")
     use_cache: bool | None = Field(
         default=None,
         description="None = the engine's setting; False = recompute every prompt (the baseline)")

@@ -179,12 +179,16 @@ class Generation:
                 timer.cancel()
 
     async def arun(self) -> GenerationResult:
-        """Async :meth:`run` in a worker thread; cancelling the task cancels the request."""
-        cancel = threading.Event()
-        try:
-            return await asyncio.to_thread(self.run, None, cancel)
-        finally:
-            cancel.set()
+        """Async :meth:`run` on the engine's step loop: concurrent calls (a LangChain ``abatch``,
+        ``asyncio.gather``) share forward steps. Cancelling the task cancels the request."""
+        async for attempt in AsyncRetrying(**self._retry_kwargs()):
+            with attempt:
+                call = self.engine.agenerate_segments(self.segments, self.sampling, use_cache=self.use_cache)
+                try:
+                    return await asyncio.wait_for(call, self.timeout)
+                except TimeoutError:
+                    raise GenerationTimeoutError(f"generation exceeded the timeout of {self.timeout} s") from None
+        raise AssertionError("unreachable: tenacity reraises the last error")
 
     def stream(self) -> Iterator[StreamChunk]:
         """Text deltas as they are generated; the last chunk carries the result."""

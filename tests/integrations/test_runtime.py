@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -43,6 +44,15 @@ class StubEngine:
         if self.errors:
             raise self.errors.pop(0)
         on_text("ok")
+        return RESULT
+
+    async def agenerate_segments(self, segments, sampling, *, use_cache=None):
+        self.calls += 1
+        if self.wait_for_cancel:
+            await asyncio.sleep(5)
+            raise AssertionError("never cancelled")
+        if self.errors:
+            raise self.errors.pop(0)
         return RESULT
 
     def stream_segments(self, segments, sampling, *, use_cache=None):
@@ -111,3 +121,13 @@ def test_lazy_value_is_built_once_across_threads() -> None:
         t.join()
     assert len(built) == 1 and lazy.get() is lazy.get()
     assert known_documents() is known_documents()
+
+
+async def test_async_run_retries_and_times_out() -> None:
+    engine = StubEngine(GenerationTimeoutError("slow"))
+    assert await generation(engine, max_retries=1).arun() is RESULT and engine.calls == 2
+    engine = StubEngine(wait_for_cancel=True)
+    t0 = time.monotonic()
+    with pytest.raises(GenerationTimeoutError):
+        await generation(engine, timeout=0.05, max_retries=1).arun()
+    assert engine.calls == 2 and time.monotonic() - t0 < 2
