@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import queue
@@ -178,6 +179,8 @@ class RAGCacheEngine:
         self._thread: threading.Thread | None = None
         self._thread_lock = threading.Lock()
         self._closing = False
+        self._queued = 0  # requests in the inbox (cancellations and wake-ups are not counted)
+        self._queued_lock = threading.Lock()
 
     # ---- profile -----------------------------------------------------------------------------
     def _load_or_measure_profile(self) -> PrefillProfile:
@@ -296,6 +299,8 @@ class RAGCacheEngine:
             generator=torch.Generator().manual_seed(seed) if seed is not None else None,
         )
         self._ensure_thread()
+        with self._queued_lock:
+            self._queued += 1
         self._inbox.put(req)
         return handle
 
@@ -394,8 +399,9 @@ class RAGCacheEngine:
         """Async :meth:`stream`."""
         sampling = sampling or SamplingParams()
         segments, dropped = self.segments_for(question, documents, sampling)
-        async for chunk in self.astream_segments(segments, sampling, dropped=dropped, **kw):
-            yield chunk
+        async with contextlib.aclosing(self.astream_segments(segments, sampling, dropped=dropped, **kw)) as inner:
+            async for chunk in inner:
+                yield chunk
 
     async def astream_segments(self, segments: Sequence[Segment], sampling: SamplingParams | None = None,
                                **kw) -> AsyncIterator[StreamChunk]:
@@ -449,7 +455,7 @@ class RAGCacheEngine:
     @property
     def in_flight(self) -> int:
         """Requests submitted and not yet finished."""
-        return len(self._live) + self._inbox.qsize()
+        return len(self._live) + self._queued
 
     def reset_cache(self) -> None:
         """Drop every cached node that no running request holds."""
@@ -501,6 +507,8 @@ class RAGCacheEngine:
                 except queue.Empty:
                     break
                 if isinstance(item, Request):
+                    with self._queued_lock:
+                        self._queued -= 1
                     item.handle.future.set_exception(EngineClosedError(f"the engine loop stopped: {exc!r}"))
 
     def _take(self, *, block: bool) -> bool:
@@ -513,6 +521,8 @@ class RAGCacheEngine:
                 return got
             got = True
             if isinstance(item, Request):
+                with self._queued_lock:
+                    self._queued -= 1
                 self._live[item.rid] = item
                 self.scheduler.add(item.rid, 0, item.prompt_tokens)
             elif isinstance(item, int):
@@ -626,7 +636,7 @@ class RAGCacheEngine:
         pos = req.rest_tokens + len(req.generated) - 1
         tail = tuple(lease.tail_blocks)
         nodes = tuple(KVRun(tuple(n.device_blocks or ()), 0, n.num_tokens) for n in lease.path)
-        return ForwardInput((req.next_token,), nodes + (KVRun(tail, 0, pos),), (KVRun(tail, pos, 1),))
+        return ForwardInput((req.next_token,), nodes + (KVRun(tail, 0, pos),), (KVRun(tail, pos, 1),), decode=True)
 
     def _after_prefill(self, req: Request, logits: torch.Tensor) -> None:
         m = req.handle.metrics
@@ -723,7 +733,10 @@ class RAGCacheEngine:
 
 async def _settled(handle: RequestHandle) -> None:
     """Wait until a cancelled request has been finished by the loop (its blocks freed)."""
-    await asyncio.wait([asyncio.wrap_future(handle.future)])
+    fut = asyncio.wrap_future(handle.future)
+    await asyncio.wait([fut])
+    if not fut.cancelled():
+        fut.exception()  # retrieved: the caller asked for the cancellation
 
 
 def _final_chunk(fut) -> StreamChunk | BaseException:

@@ -8,6 +8,7 @@ in flight without closing the engine.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Sequence
 
 from ragcache_backend.engine.engine import EngineClosedError, EngineStats, RAGCacheEngine
@@ -59,8 +60,9 @@ class ServingEngine:
 
     async def astream(self, question: str, documents: Sequence = (), sampling: SamplingParams | None = None, **kw) -> AsyncIterator[StreamChunk]:
         self._check_open()
-        async for chunk in self.engine.astream(question, documents, sampling, **kw):
-            yield chunk
+        async with contextlib.aclosing(self.engine.astream(question, documents, sampling, **kw)) as inner:
+            async for chunk in inner:
+                yield chunk
 
     def cancel(self, rid: int) -> None:
         self.engine.cancel(rid)

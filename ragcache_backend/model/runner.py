@@ -51,11 +51,14 @@ class ForwardInput:
         new_tokens: token ids to compute, ``T >= 1``.
         cached: context already in the arena, in order (prefix documents, earlier decode steps).
         target: where the new tokens' KV is written, in order; lengths sum to ``T``.
+        decode: the one new token is a generated token (decode kernel), not a prompt token
+            (prompt tokens always take the prefill kernels, for bf16 exactness).
     """
 
     new_tokens: tuple[int, ...]
     cached: tuple[KVRun, ...]
     target: tuple[KVRun, ...]
+    decode: bool = False
 
 
 @dataclass(slots=True)
@@ -221,7 +224,7 @@ class ModelRunner:
             new_slots.append(target)
             start = cached.numel()
             positions.append(torch.arange(start, start + n, device=self.device))
-            modes.append(attention_plan(start, n, self.dtype, self.device))
+            modes.append(attention_plan(start, n, self.dtype, self.device, decode=item.decode))
         ids = torch.tensor([t for item in batch for t in item.new_tokens], dtype=torch.int64, device=self.device)
         cos, sin = rope_cos_sin(self._inv_freq, torch.cat(positions), attention_scaling=self._rope_scaling, dtype=self.dtype)
         write = torch.cat(new_slots)

@@ -76,8 +76,6 @@ def attention(
     s, hkv, dk = k.shape
     if dk != d or v.shape != k.shape or hq % hkv != 0 or t > s:
         raise ValueError(f"attention: bad shapes q={tuple(q.shape)} k={tuple(k.shape)} v={tuple(v.shape)}")
-    if t == 1 and mask is None:  # decode: one query; the flash kernel costs ~4x more here
-        return _single_query(q, k, v, scale)
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, T, D]
     kh = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
     vh = v.transpose(0, 1).unsqueeze(0)
@@ -97,11 +95,13 @@ def attention(
     return out.squeeze(0).transpose(0, 1)  # [T, Hq, D]
 
 
-def _single_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query over ``S`` keys in float32 with two batched GEMMs (GQA by grouping query heads).
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One decode query over ``S`` keys in float32 with two batched GEMMs (GQA by grouping query
+    heads): ``q`` ``[1, Hq, D]``, ``k``/``v`` ``[S, Hkv, D]`` -> ``[1, Hq, D]`` in ``q``'s dtype.
 
-    PyTorch's CPU flash kernel spends ~0.45 ms on a 1 x 1,000 decode step for 9 heads (it splits
-    work by query blocks); this takes ~0.13 ms with the same float32 accumulation.
+    PyTorch's CPU flash kernel spends ~0.45 ms on a 1 x 1,000 step for 9 heads (it splits work by
+    query blocks); this takes ~0.13 ms. It rounds differently from the flash kernel, so it is used
+    for generated tokens only, never for a prompt token (see :class:`AttentionPlan`).
     """
     _, hq, d = q.shape
     s, hkv, _ = k.shape
@@ -109,7 +109,7 @@ def _single_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     qh = q.view(hkv, g, d).float()  # heads of one KV group are adjacent, as in repeat_interleave
     scores = torch.bmm(qh, k.permute(1, 2, 0).float()).mul_(scale)  # [Hkv, g, S]
     out = torch.bmm(torch.softmax(scores, dim=-1), v.transpose(0, 1).float())  # [Hkv, g, D]
-    return out.reshape(1, hq, d).to(q.dtype)
+    return out.reshape(1, hq, d).to(q.dtype)  # [1, Hq, D]
 
 
 @dataclass(slots=True, frozen=True)
@@ -125,22 +125,35 @@ class AttentionPlan:
             padded form wins when ``P <= T`` (e.g. a cache miss over a cached system prompt),
             and it is the same kernel, with the same key blocking, as a cold prefill.
         bias: the additive ``[T, P + T]`` mask of the masked form (None otherwise).
+        decode: a generated token: :func:`decode_attention` instead of the flash kernel.
+
+    bf16 exactness: every prompt token goes through PyTorch's flash kernel, whose rows do not
+    depend on the other query rows nor on causal-vs-masked form (keys are split in the same
+    blocks from position 0), so a prompt's logits and KV are bit-identical whether its prefix
+    came from the cache or not; only generated tokens use the faster decode form, in both cases.
     """
 
     num_cached: int
     num_new: int
     padded_causal: bool
     bias: torch.Tensor | None
+    decode: bool = False
 
 
-def attention_plan(num_cached: int, num_new: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> AttentionPlan:
+def attention_plan(num_cached: int, num_new: int, dtype: torch.dtype, device: torch.device | str = "cpu", *,
+                   decode: bool = False) -> AttentionPlan:
     """Choose the attention form for one sequence of a forward step; build once, use in every layer.
 
+    Args:
+        decode: the new token is a generated one (``num_new`` must be 1), not a prompt token.
+
     Raises:
-        ValueError: ``num_new < 1`` or ``num_cached < 0``.
+        ValueError: ``num_new < 1``, ``num_cached < 0``, or ``decode`` with ``num_new != 1``.
     """
-    if num_new < 1 or num_cached < 0:
-        raise ValueError(f"attention_plan: need num_new >= 1 and num_cached >= 0, got {num_cached}, {num_new}")
+    if num_new < 1 or num_cached < 0 or (decode and num_new != 1):
+        raise ValueError(f"attention_plan: need num_new >= 1 and num_cached >= 0 (1 new to decode), got {num_cached}, {num_new}")
+    if decode and num_cached:
+        return AttentionPlan(num_cached, num_new, False, None, decode=True)
     if num_new == 1 or num_cached == 0:  # decode needs no mask; a cold prefill is plain causal
         return AttentionPlan(num_cached, num_new, False, None)
     if num_cached <= num_new:
@@ -165,6 +178,8 @@ def attention_over_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
     t, s = q.shape[0], k.shape[0]
     if t != plan.num_new or s != plan.num_cached + plan.num_new:
         raise ValueError(f"attention_over_prefix: q {tuple(q.shape)}, k {tuple(k.shape)} do not match {plan}")
+    if plan.decode:
+        return decode_attention(q, k, v, scale)
     if plan.padded_causal:
         padded = torch.cat((q.new_zeros((plan.num_cached, *q.shape[1:])), q))
         return attention(padded, k, v, scale=scale)[plan.num_cached:]
