@@ -368,3 +368,47 @@ def test_check_invariants_catches_a_broken_tier_order() -> None:
         cache.check_invariants()
     a.device_blocks, a.host_kv = saved, None
     cache.check_invariants()
+
+
+# ---- the request protocol: admit / commit / finish ----------------------------------------------
+def _specs(*pairs):
+    from ragcache_backend.cache.lease import SegmentSpec
+
+    return [SegmentSpec(K(k), n) for k, n in pairs]
+
+
+def test_admit_commit_finish_reuses_the_prefix_and_frees_the_tail():
+    cache, _ = make(num_blocks=20, host_bytes=0)
+    lease = cache.admit(_specs(("S", 10), ("A", 25)), tail_tokens=12)
+    assert lease is not None and lease.reused == 0 and lease.cached_tokens == 0
+    assert [len(p.blocks) for p in lease.pending] == [1, 3] and len(lease.tail_blocks) == 2
+    cache.commit(lease, rest_tokens=8)
+    assert [n.key for n in lease.path] == [K("S"), K("A")] and cache.locked_nodes == 2
+    cache.finish(lease)
+    cache.finish(lease)  # idempotent
+    assert cache.locked_nodes == 0 and cache.request_blocks == 0 and cache.device_used_blocks == 4
+    again = cache.admit(_specs(("S", 10), ("A", 25), ("B", 5)), tail_tokens=3)
+    assert again.reused == 2 and again.cached_tokens == 35 and again.device_hits == 2
+    assert [p.spec.key for p in again.pending] == [K("B")]
+    cache.commit(again, rest_tokens=1)
+    with pytest.raises(InvalidRequestError):
+        cache.commit(again, rest_tokens=1)  # once only
+    cache.finish(again)
+    cache.check_invariants()
+
+
+def test_no_room_now_is_none_and_never_fits_raises():
+    cache, _ = make(num_blocks=6, host_bytes=0)
+    first = cache.admit(_specs(("A", 30)), tail_tokens=20)  # 3 + 2 blocks, all held while it runs
+    assert first is not None
+    assert cache.admit(_specs(("B", 30)), tail_tokens=10) is None  # 4 blocks: fits, but not now
+    assert cache.request_blocks == 5 and cache.locked_nodes == 0  # the refused request holds nothing
+    with pytest.raises(CacheBudgetError, match="device arena holds only 6"):
+        cache.admit(_specs(("C", 50)), tail_tokens=20)  # 7 blocks: can never fit
+    cache.commit(first, rest_tokens=20)
+    cache.finish(first)
+    later = cache.admit(_specs(("B", 30)), tail_tokens=10)  # A (unlocked) is evicted for it
+    assert later is not None and cache.stats.device_evictions == 1
+    cache.finish(later)  # released before commit: its pending blocks are freed, nothing inserted
+    assert [n.key for n in cache.tree] == [] and cache.device_used_blocks == 0
+    cache.check_invariants()
