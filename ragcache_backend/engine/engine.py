@@ -32,6 +32,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -483,18 +484,20 @@ class RAGCacheEngine:
         if self._thread is None:
             with self._thread_lock:
                 if self._thread is None:
-                    self._thread = threading.Thread(target=self._loop, name="ragcache-engine", daemon=True)
+                    self._thread = threading.Thread(target=_run_loop, args=(weakref.ref(self),),
+                                                    name="ragcache-engine", daemon=True)
                     self._thread.start()
 
-    def _loop(self) -> None:
+    def _loop_once(self) -> bool:
+        """One turn of the loop thread: wait (at most 0.5 s) for work, then step; False to stop."""
         try:
-            while True:
-                if not self._live:
-                    if self._closing and self._inbox.empty():
-                        return
-                    if not self._take(block=True):
-                        continue
-                self.step()
+            if not self._live:
+                if self._closing and self._inbox.empty():
+                    return False
+                if not self._take(block=True):
+                    return True
+            self.step()
+            return True
         except BaseException as exc:  # a bug: fail everyone loudly rather than hang callers
             log.exception("engine step loop crashed")
             self._closing = True
@@ -510,6 +513,7 @@ class RAGCacheEngine:
                     with self._queued_lock:
                         self._queued -= 1
                     item.handle.future.set_exception(EngineClosedError(f"the engine loop stopped: {exc!r}"))
+            return False
 
     def _take(self, *, block: bool) -> bool:
         """Move inbox items (new requests, cancellations) into the loop; True if any came."""
@@ -737,6 +741,16 @@ async def _settled(handle: RequestHandle) -> None:
     await asyncio.wait([fut])
     if not fut.cancelled():
         fut.exception()  # retrieved: the caller asked for the cancellation
+
+
+def _run_loop(ref: weakref.ReferenceType[RAGCacheEngine]) -> None:
+    """The loop thread's body. It holds the engine only weakly between turns, so an engine its
+    caller dropped (and its KV arena) is freed: the thread then ends by itself."""
+    while True:
+        engine = ref()
+        if engine is None or not engine._loop_once():
+            return
+        del engine
 
 
 def _final_chunk(fut) -> StreamChunk | BaseException:

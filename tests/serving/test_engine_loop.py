@@ -454,3 +454,17 @@ def test_raising_on_text_fails_only_its_request(make_engine, monkeypatch):
     assert engine.stats.failed == 1 and engine.stats.finished == 2 and engine.stats.cancelled == 0
     _idle_at_baseline(engine)
     assert engine.generate(QUESTIONS[1], DOCS[:2], sampling).token_ids  # the engine goes on
+
+
+def test_a_dropped_engine_is_freed_and_its_loop_ends(tiny_model, fixed_profile):
+    import weakref
+
+    engine = _engine(tiny_model, fixed_profile)
+    engine.generate(QUESTIONS[0], DOCS[:2], SamplingParams(max_tokens=2))
+    ref = weakref.ref(engine)
+    del engine
+    deadline = time.monotonic() + 5
+    while ref() is not None and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.1)
+    assert ref() is None  # the loop thread does not keep the engine (and its KV arena) alive
