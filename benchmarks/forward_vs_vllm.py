@@ -2,41 +2,36 @@
 
     .venv/bin/python benchmarks/forward_vs_vllm.py [--repeats N] [--json OUT]
 
-Both systems run the same bf16 weights (``benchmarks/models/smollm2-135m-bf16``, written by
-``benchmarks/convert_model.py`` from the packaged SmolLM2-135M-Instruct GGUF) on the same seeded
-random token ids, with 2 threads each (``--threads``). vLLM (``bash benchmarks/setup_peers.sh vllm``)
-runs in its own venv as ONE long-lived subprocess (``benchmarks/vllm_forward_worker.py``: offline
-``vllm.LLM``, bf16, prefix caching on, block size 32), commanded round by round, so the two systems
-take turns: every round runs each measurement on both, alternating which goes first, with fresh
-token ids shared by both. One untimed warm-up round first. Reported: median and min over rounds.
+Same bf16 weights (``benchmarks/models/smollm2-135m-bf16`` from ``convert_model.py``), same seeded
+random token ids, ``--threads`` (2) each. vLLM (``bash benchmarks/setup_peers.sh vllm``) is one
+long-lived subprocess in its own venv (``vllm_forward_worker.py``: offline ``vllm.LLM``, prefix
+caching on, block size 32). Each round runs every measurement on both, alternating who goes first,
+on fresh ids shared by both; ours runs only once vLLM's processes are idle again. One untimed
+warm-up round; median (min) over rounds. Ours: ``ModelRunner.forward`` + argmax, timed alone. vLLM:
+wall time of ``LLM.generate`` (plus its engine-core timestamps, "vLLM core").
 
-* cold prefill: 1,000 new tokens, no cache. Ours: one ``ModelRunner.forward`` + argmax. vLLM: the
-  wall time of ``LLM.generate`` of a fresh prompt with ``max_tokens=1`` (its TTFT).
-* 30 over 1,024 cached: the 1,024-token prefix (32 full vLLM blocks, vLLM caches full blocks only)
-  computed untimed, then 30 new tokens timed. vLLM: the prefix served once, then prefix + 30 with
-  ``max_tokens=1`` (its ``num_cached_tokens`` is recorded: 1,024 means the hit was real).
-* decode step, batch 1 and 4, each sequence with a 1,024-token context. Ours: ``--decode-steps``
-  greedy steps of a batched ``forward`` (one token per sequence), total / steps. vLLM: the prompts
-  served once (cached), then ``(t(max_tokens=N+1) - t(max_tokens=1)) / N`` with ``ignore_eos``.
-* miss overhead (ours only): ``engine.generate`` of a question over two fresh random documents
-  (about 1,000 prompt tokens, 0% document hits), ``max_tokens=1``, cache on vs ``use_cache=False``,
-  interleaved in alternating order, after the cache is filled so that every cache-on miss also
-  evicts (``--miss-device-mib`` / ``--miss-host-mib``). Overhead = mean TTFT on / mean TTFT off - 1.
-  Cache-on still hits the system prompt, as every real miss does.
+* cold prefill, 1,000 tokens: vLLM's TTFT of a fresh prompt (``max_tokens=1``).
+* 30 new tokens over 1,024 cached (32 full blocks; vLLM caches full blocks only): the prefix is
+  computed untimed first; vLLM's ``num_cached_tokens`` is checked to be 1,024.
+* decode step, batch 1 and 4, 1,024 tokens of context each: ours ``--decode-steps`` N batched greedy
+  steps / N; vLLM ``(t(max_tokens=N+1) - t(max_tokens=1)) / N`` (``ignore_eos``) on cached prompts.
+* miss overhead (ours only): ``engine.generate`` over two fresh random documents (~1,000 prompt
+  tokens, 0% document hits), ``max_tokens=1``, cache on vs ``use_cache=False`` in alternating pairs,
+  once the cache is full (so every cache-on miss also evicts): mean TTFT on / off - 1. Cache-on
+  still reuses the system prompt, as every real miss does.
 
-Our figures time the forward pass alone; vLLM's time a request through its offline API (scheduler,
-engine-core process, output processing included). vLLM's own engine-core timestamps (prefill =
-first token - scheduled, decode = (last - first token) / N) are printed as "vLLM core" for reference.
-Targets: every ratio ours/vLLM <= 1.0; miss overhead <= 3%. A peer that fails is reported with its error.
+Targets: ratio ours/vLLM <= 1.0; miss overhead <= 3%. A failing peer is reported with its error.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import random
+import re
 import select
 import statistics
 import subprocess
@@ -61,49 +56,50 @@ MEASUREMENTS = {"cold": "cold prefill, 1000 tokens", "extend": f"prefill {NEW} o
 
 
 class Ours:
-    """Kernel-level timings on ``engine.runner``, with blocks borrowed from the engine's allocator."""
+    """Kernel-level timings on ``engine.runner``, in blocks borrowed from the engine's allocator (no request runs)."""
 
     def __init__(self, engine: RAGCacheEngine) -> None:
-        self.engine, self.runner = engine, engine.runner
+        self.engine, self.runner, self.first_token = engine, engine.runner, None
 
-    def _alloc(self, tokens: int) -> tuple[int, ...]:
-        return tuple(self.engine.cache.allocate(-(-tokens // self.runner.block_size)))
-
-    def _argmax(self, batch: list[ForwardInput]) -> list[int]:
-        return [int(torch.argmax(x)) for x in self.runner.forward(batch)]
-
-    def cold(self, ids: list[int]) -> float:
-        b = self._alloc(len(ids))
+    @contextlib.contextmanager
+    def _blocks(self, *tokens: int):
+        got = [tuple(self.engine.cache.allocate(-(-n // self.runner.block_size))) for n in tokens]
         try:
-            t = time.perf_counter()
-            self._argmax([ForwardInput(tuple(ids), (), (KVRun(b, 0, len(ids)),))])
-            return time.perf_counter() - t
+            yield got
         finally:
-            self.engine.cache.free(b)
+            for b in got:
+                self.engine.cache.free(b)
 
-    def extend(self, prefix: list[int], new: list[int]) -> float:
-        n = len(prefix)
-        b = self._alloc(n + len(new))
-        try:
-            self._argmax([ForwardInput(tuple(prefix), (), (KVRun(b, 0, n),))])
+    def _step(self, batch: list[tuple], *, decode: bool = False) -> list[int]:
+        """One forward of ``(new_tokens, cached_runs, target_runs)`` items; greedy next token of each.
+        ``decode``: the new tokens are generated ones (the engine's decode kernel), not prompt tokens."""
+        items = [ForwardInput(tuple(n), c, t, decode=decode) for n, c, t in batch]
+        return [int(torch.argmax(x)) for x in self.runner.forward(items)]
+
+    def cold(self, cmd: dict) -> float:
+        ids = cmd["ids"]
+        with self._blocks(len(ids)) as (b,):
             t = time.perf_counter()
-            self._argmax([ForwardInput(tuple(new), (KVRun(b, 0, n),), (KVRun(b, n, len(new)),))])
+            self.first_token = self._step([(ids, (), (KVRun(b, 0, len(ids)),))])[0]
             return time.perf_counter() - t
-        finally:
-            self.engine.cache.free(b)
 
-    def decode(self, prompts: list[list[int]], steps: int) -> float:
-        blocks = [self._alloc(len(p) + steps) for p in prompts]
-        try:
-            toks = [self._argmax([ForwardInput(tuple(p), (), (KVRun(b, 0, len(p)),))])[0] for p, b in zip(prompts, blocks)]
+    def extend(self, cmd: dict) -> float:
+        prefix, new, n = cmd["prefix"], cmd["new"], len(cmd["prefix"])
+        with self._blocks(n + len(new)) as (b,):
+            self._step([(prefix, (), (KVRun(b, 0, n),))])
+            t = time.perf_counter()
+            self._step([(new, (KVRun(b, 0, n),), (KVRun(b, n, len(new)),))])
+            return time.perf_counter() - t
+
+    def decode(self, cmd: dict) -> float:
+        prompts, steps = cmd["prompts"], cmd["steps"]
+        with self._blocks(*(len(p) + steps for p in prompts)) as blocks:
+            toks = [self._step([(p, (), (KVRun(b, 0, len(p)),))])[0] for p, b in zip(prompts, blocks)]
             t = time.perf_counter()
             for s in range(steps):
-                toks = self._argmax([ForwardInput((tok,), (KVRun(b, 0, len(p) + s),), (KVRun(b, len(p) + s, 1),))
-                                     for tok, p, b in zip(toks, prompts, blocks)])
+                toks = self._step([((tok,), (KVRun(b, 0, len(p) + s),), (KVRun(b, len(p) + s, 1),))
+                                   for tok, p, b in zip(toks, prompts, blocks)], decode=True)
             return (time.perf_counter() - t) / steps
-        finally:
-            for b in blocks:
-                self.engine.cache.free(b)
 
 
 class PeerError(RuntimeError):
@@ -137,8 +133,10 @@ class VLLMPeer:
             if self.proc.poll() is not None:
                 break
         self.close()
-        tail = self.log.read_text(errors="replace").strip().splitlines()[-8:]
-        raise PeerError(f"vLLM exited ({self.proc.returncode}) or timed out; log {self.log}: " + " | ".join(tail))
+        lines = self.log.read_text(errors="replace").strip().splitlines()
+        first_error = [ln.strip() for ln in lines if re.search(r"\w(Error|Exception): ", ln)][:1]
+        raise PeerError(f"vLLM exited ({self.proc.returncode}) or timed out; log {self.log}: "
+                        + " | ".join(first_error + [ln.strip() for ln in lines[-3:]]))
 
     def ask(self, cmd: dict) -> dict:
         self.proc.stdin.write(json.dumps(cmd) + "\n")
@@ -148,15 +146,24 @@ class VLLMPeer:
             raise PeerError(f"vLLM {cmd['op']}: {res['error']}")
         return res
 
+    def settle(self, limit_s: float = 5.0) -> float:
+        """Wait until vLLM's processes are idle: its worker busy-polls its queue for 1 s after each request."""
+        t0 = time.perf_counter()
+        time.sleep(1.0)
+        while time.perf_counter() - t0 < limit_s:
+            c0 = tree_cpu_s(self.proc.pid)
+            time.sleep(0.1)
+            if tree_cpu_s(self.proc.pid) - c0 < 0.01:
+                break
+        return time.perf_counter() - t0
+
     def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write('{"op": "quit"}\n')
-                self.proc.stdin.flush()
-                self.proc.wait(timeout=60)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()  # ends the worker's command loop
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
 
 
 def miss_overhead(engine: RAGCacheEngine, args, rng: random.Random) -> dict:
@@ -182,8 +189,11 @@ def miss_overhead(engine: RAGCacheEngine, args, rng: random.Random) -> dict:
             r = ask(mode == "on")
             recs[mode].append({"ttft_s": r.ttft_s, "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
                                "computed_tokens": r.computed_tokens})
+    eng.close()
     on, off = (statistics.mean(x["ttft_s"] for x in recs[m]) for m in ("on", "off"))
+    med = [statistics.median(x["ttft_s"] for x in recs[m]) for m in ("on", "off")]
     return {"records": recs, "mean_on_s": on, "mean_off_s": off, "overhead": on / off - 1.0, "fill_requests": fill + 1,
+            "median_on_s": med[0], "median_off_s": med[1], "overhead_of_medians": med[0] / med[1] - 1.0,
             "mean_prompt_tokens": statistics.mean(x["prompt_tokens"] for x in recs["on"] + recs["off"]),
             "mean_cached_tokens_on": statistics.mean(x["cached_tokens"] for x in recs["on"])}
 
@@ -202,15 +212,62 @@ def tree_cpu_s(pid: int) -> float:
     return total
 
 
+def load() -> str:
+    """Load average and, where the kernel has PSI, the share of time some task waited for a CPU (avg60)."""
+    psi = next((ln.split()[2] for ln in open("/proc/pressure/cpu") if ln.startswith("some")), "") \
+        if os.path.exists("/proc/pressure/cpu") else ""
+    return f"load average {os.getloadavg()[0]:.2f} (1 min)" + (f", CPU pressure {psi.split('=')[1]}%" if psi else "")
+
+
 def machine() -> dict:
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     return {"cpu": cpu, "nproc": len(os.sched_getaffinity(0)), "cpu_count": os.cpu_count(), "platform": platform.platform(),
             "python": platform.python_version(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-            "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
+            "load_start": load()}
 
 
 def summary(xs: list[float]) -> dict:
     return {"median_s": statistics.median(xs), "min_s": min(xs), "n": len(xs)} if xs else {}
+
+
+def rounds(ours: Ours, peer: VLLMPeer | None, args, res: dict, ids) -> str | None:
+    """The interleaved rounds; fills ``res`` and returns vLLM's error if it failed on the way."""
+    error = None
+    res.update(vllm_core={}, cold_first_tokens=[], vllm_cpu_s_while_ours_ran=0.0, ours_wall_s=0.0, settle_s=0.0)
+    for rnd in range(-1, args.repeats):  # round -1 is the warm-up
+        for key in MEASUREMENTS:
+            cmd = ({"op": "cold", "ids": ids(COLD)} if key == "cold" else
+                   {"op": "extend", "prefix": ids(CACHED), "new": ids(NEW)} if key == "extend" else
+                   {"op": "decode", "prompts": [ids(CACHED) for _ in range(int(key[-1]))], "steps": args.decode_steps})
+            vtok = None
+            for side in (("ours", "vllm") if rnd % 2 else ("vllm", "ours")):
+                if side == "ours":
+                    res["settle_s"] += peer.settle() if peer else 0.0
+                    c0, w0 = tree_cpu_s(peer.proc.pid) if peer else 0.0, time.perf_counter()
+                    t = getattr(ours, cmd["op"])(cmd)
+                    if peer:  # a check that vLLM stayed idle while ours ran
+                        res["vllm_cpu_s_while_ours_ran"] += tree_cpu_s(peer.proc.pid) - c0
+                        res["ours_wall_s"] += time.perf_counter() - w0
+                    if rnd >= 0:
+                        res["ours"].setdefault(key, []).append(t)
+                elif peer:
+                    try:
+                        r = peer.ask(cmd)
+                    except PeerError as exc:
+                        error, peer = str(exc), None
+                        print(f"vLLM failed: {error}", flush=True)
+                        continue
+                    vtok = r.get("first_token")
+                    if rnd >= 0:
+                        res["vllm"].setdefault(key, []).append(r["wall_s"])
+                        res.setdefault("vllm_raw", {}).setdefault(key, []).append(r)
+                        res["vllm_core"].setdefault(key, []).append(r.get("core_step_s" if "decode" in key else "core_prefill_s"))
+            if vtok is not None:  # same weights, same ids: the greedy first tokens should agree
+                res["cold_first_tokens"].append([ours.first_token, vtok])
+        print(f"round {rnd + 1}/{args.repeats} done" if rnd >= 0 else "warm-up round done", flush=True)
+    if peer:
+        peer.close()
+    return error
 
 
 def main() -> None:
@@ -250,49 +307,14 @@ def main() -> None:
     rng = random.Random(args.seed)
     vocab = engine.loaded.model.config.vocab_size
     ids = lambda n: [rng.randrange(100, vocab) for _ in range(n)]  # noqa: E731
-    vllm_core: dict[str, list] = {k: [] for k in MEASUREMENTS}
-    idle_cpu = [0.0, 0.0]  # vLLM's CPU seconds while ours was timed, our timed seconds
-    for rnd in range(-1, args.repeats):  # round -1 is the warm-up
-        for key in MEASUREMENTS:
-            if key == "cold":
-                cmd = {"op": "cold", "ids": ids(COLD)}
-                run = lambda c=cmd: ours.cold(c["ids"])  # noqa: E731
-            elif key == "extend":
-                cmd = {"op": "extend", "prefix": ids(CACHED), "new": ids(NEW)}
-                run = lambda c=cmd: ours.extend(c["prefix"], c["new"])  # noqa: E731
-            else:
-                cmd = {"op": "decode", "prompts": [ids(CACHED) for _ in range(int(key[-1]))], "steps": args.decode_steps}
-                run = lambda c=cmd: ours.decode(c["prompts"], c["steps"])  # noqa: E731
-            for side in (("ours", "vllm") if rnd % 2 else ("vllm", "ours")):
-                if side == "ours":
-                    c0 = tree_cpu_s(peer.proc.pid) if peer else 0.0
-                    t = run()
-                    if peer:
-                        idle_cpu[0] += tree_cpu_s(peer.proc.pid) - c0
-                        idle_cpu[1] += t
-                    if rnd >= 0:
-                        res["ours"].setdefault(key, []).append(t)
-                elif peer:
-                    try:
-                        r = peer.ask(cmd)
-                    except PeerError as exc:
-                        vllm_error, peer = str(exc), None
-                        print(f"vLLM failed: {vllm_error}", flush=True)
-                        continue
-                    if rnd >= 0:
-                        res["vllm"].setdefault(key, []).append(r["wall_s"])
-                        res.setdefault("vllm_raw", {}).setdefault(key, []).append(r)
-                        vllm_core[key].append(r.get("core_step_s" if key.startswith("decode") else "core_prefill_s"))
-        print(f"round {rnd + 1}/{args.repeats} done" if rnd >= 0 else "warm-up round done", flush=True)
-    if peer:
-        res["vllm_cpu_s_while_ours_timed"], res["ours_timed_s"] = idle_cpu
-        peer.close()
+    vllm_error = rounds(ours, peer, args, res, ids) or vllm_error
     res["vllm_error"] = vllm_error
     print("ours: miss overhead ...", flush=True)
     res["miss"] = miss_overhead(engine, args, rng)
-    res["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    engine.close()
+    res["machine"]["load_end"] = load()
     res["summary"] = {k: {"ours": summary(res["ours"].get(k, [])), "vllm": summary(res["vllm"].get(k, [])),
-                          "vllm_core": summary([x for x in vllm_core[k] if x is not None])} for k in MEASUREMENTS}
+                          "vllm_core": summary([x for x in res["vllm_core"].get(k, []) if x is not None])} for k in MEASUREMENTS}
     report(res, args)
     if args.json:
         args.json.write_text(json.dumps(res, indent=1))
@@ -301,11 +323,11 @@ def main() -> None:
 
 def report(res: dict, args) -> None:
     m, vi = res["machine"], res.get("vllm_info", {})
-    print(f"\nmachine: {m['cpu']}, nproc {m['nproc']}; {m['date']}; load average {m['loadavg_start']} -> {m['loadavg_end']}")
+    print(f"\nmachine: {m['cpu']}, nproc {m['nproc']}; {m['date']}; at start {m['load_start']}; at end {m['load_end']}")
     print(f"torch {m['torch']} (ours); vLLM {vi.get('vllm', '-')} with torch {vi.get('torch', '-')}; threads {args.threads} each; "
           f"bf16 {MODEL_DIR.name}; {args.repeats} rounds, median (min) in ms")
-    if "vllm_cpu_s_while_ours_timed" in res and res["ours_timed_s"]:
-        print(f"vLLM processes used {100 * res['vllm_cpu_s_while_ours_timed'] / res['ours_timed_s']:.0f}% of a core while ours was timed")
+    if res["ours_wall_s"]:
+        print(f"vLLM's processes used {100 * res['vllm_cpu_s_while_ours_ran'] / res['ours_wall_s']:.1f}% of a core while ours ran")
     fmt = "{:<34} {:>17} {:>17} {:>8} {:>7} {:>7} {:>15}"
     print(fmt.format("measurement", "ours ms", "vLLM ms", "ratio", "target", "result", "vLLM core ms"))
     ms = lambda s: f"{1e3 * s['median_s']:.1f} ({1e3 * s['min_s']:.1f})" if s else "-"  # noqa: E731
@@ -315,16 +337,19 @@ def report(res: dict, args) -> None:
         res["summary"][key]["ratio"] = ratio
         print(fmt.format(label, ms(s["ours"]), ms(s["vllm"]), f"{ratio:.2f}" if ratio else "-", "<= 1.0",
                          ("met" if ratio <= 1.0 else "MISSED") if ratio else "-", ms(s["vllm_core"])))
-    mo = res["miss"]
+    mo, notes = res["miss"], []
     print(fmt.format("miss overhead, on vs off (0% hits)", f"{1e3 * mo['mean_on_s']:.1f} on", f"{1e3 * mo['mean_off_s']:.1f} off",
                      f"{100 * mo['overhead']:+.1f}%", "<= 3%", "met" if mo["overhead"] <= 0.03 else "MISSED", "-"))
-    print(f"  (miss: {args.miss_pairs} pairs, mean prompt {mo['mean_prompt_tokens']:.0f} tokens, cache-on reuses "
-          f"{mo['mean_cached_tokens_on']:.0f} system-prompt tokens, {mo['fill_requests']} fill requests first)")
-    cached = [r.get("cached_tokens") for r in res.get("vllm_raw", {}).get("extend", [])]
-    if cached:
-        print(f"  (vLLM prefix hits on the {NEW}-over-{CACHED} request: {cached})")
+    notes.append(f"miss: {args.miss_pairs} pairs, mean prompt {mo['mean_prompt_tokens']:.0f} tokens, cache-on reuses "
+                 f"{mo['mean_cached_tokens_on']:.0f} system-prompt tokens, after {mo['fill_requests']} requests filled the cache")
+    if res.get("vllm_raw", {}).get("extend"):
+        notes.append(f"vLLM prefix hits of the {NEW}-over-{CACHED} requests: {[r['cached_tokens'][0] for r in res['vllm_raw']['extend']]}")
+    if res["cold_first_tokens"]:
+        same = sum(a == b for a, b in res["cold_first_tokens"])
+        notes.append(f"greedy first token of the cold prompts, ours == vLLM: {same} of {len(res['cold_first_tokens'])}")
     if res["vllm_error"]:
-        print(f"vLLM error: {res['vllm_error']}")
+        notes.append(f"vLLM error: {res['vllm_error']}")
+    print("\n".join(f"  - {n}" for n in notes))
 
 
 if __name__ == "__main__":

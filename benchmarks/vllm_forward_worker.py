@@ -73,7 +73,7 @@ def main() -> None:
                 break
             if cmd["op"] == "cold":
                 wall, outs = run([cmd["ids"]], 1)
-                answer({"wall_s": wall, **core(outs)})
+                answer({"wall_s": wall, "first_token": outs[0].outputs[0].token_ids[0], **core(outs)})
             elif cmd["op"] == "extend":
                 run([cmd["prefix"]], 1)
                 wall, outs = run([cmd["prefix"] + cmd["new"]], 1)
