@@ -485,15 +485,15 @@ class RAGCacheEngine:
             with self._thread_lock:
                 if self._thread is None:
                     self._thread = threading.Thread(target=_run_loop, args=(weakref.ref(self),),
-                                                    name="ragcache-engine", daemon=True)
+                                                    name="ragcache-engine", daemon=False)
                     self._thread.start()
 
     def _loop_once(self) -> bool:
         """One turn of the loop thread: wait (at most 0.5 s) for work, then step; False to stop."""
         try:
             if not self._live:
-                if self._closing and self._inbox.empty():
-                    return False
+                if (self._closing or not threading.main_thread().is_alive()) and self._inbox.empty():
+                    return False  # closed, or the program is exiting: end before Python finalizes
                 if not self._take(block=True):
                     return True
             self.step()
@@ -745,7 +745,9 @@ async def _settled(handle: RequestHandle) -> None:
 
 def _run_loop(ref: weakref.ReferenceType[RAGCacheEngine]) -> None:
     """The loop thread's body. It holds the engine only weakly between turns, so an engine its
-    caller dropped (and its KV arena) is freed: the thread then ends by itself."""
+    caller dropped (and its KV arena) is freed: the thread then ends by itself. It is not a daemon:
+    when the main thread ends it finishes its requests and returns before Python finalizes (a
+    daemon thread stopped inside torch at finalization aborts the process)."""
     while True:
         engine = ref()
         if engine is None or not engine._loop_once():

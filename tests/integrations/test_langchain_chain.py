@@ -118,9 +118,15 @@ def test_edited_document_is_computed_not_reused(engine, short_docs) -> None:
     words = doc.text.split(" ")
     words[len(words) // 2] += "x"
     edited = " ".join(words)
-    message = served_correctly(engine, f"Context:\n{edited}\n\nQuestion: what is this about?")
-    assert message.response_metadata["documents"] == []
-    assert message.usage_metadata["input_token_details"]["cache_read"] == 0
+    content = f"Context:\n{edited}\n\nQuestion: what is this about?"
+    reference = ask(engine, content, use_cache=False)
+    first = ask(engine, content)
+    assert first.content == reference.content
+    assert first.response_metadata["documents"] == []
+    assert first.usage_metadata["input_token_details"]["cache_read"] == 0  # the original's KV is never used
+    again = ask(engine, content)  # an exact repeat of the edited prompt is reused whole (all but one token)
+    assert again.content == reference.content
+    assert again.usage_metadata["input_token_details"]["cache_read"] == again.usage_metadata["input_tokens"] - 1
 
 
 def test_repeated_document_is_served(engine, short_docs) -> None:
