@@ -23,14 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ragcache_backend.errors import InvalidRequestError
-from ragcache_backend.model.kernels import (
-    apply_rope,
-    attention,
-    attention_over_prefix,
-    attention_plan,
-    paged_decode_attention,
-    rope_cos_sin,
-)
+from ragcache_backend.model.kernels import apply_rope, attention, attention_over_prefix, attention_plan, rope_cos_sin
 from ragcache_backend.model.loader import LoadedModel
 
 
@@ -81,16 +74,6 @@ class HostKV:
     @property
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
-
-
-@dataclass(slots=True, frozen=True)
-class _DecodeGroup:
-    """The decoding sequences of one forward step, attended together (see ``paged_decode_attention``)."""
-
-    members: tuple[int, ...]  # their indices in the batch
-    rows: torch.Tensor  # [B] int64 row of each one's token in the step's hidden states
-    slots: torch.Tensor  # [B, S] int64 arena slots of each context, padded
-    bias: torch.Tensor  # [B, S] float32 0 / -inf
 
 
 @dataclass(slots=True)
@@ -231,8 +214,8 @@ class ModelRunner:
         lengths = [len(item.new_tokens) for item in batch]
         if not batch or min(lengths) < 1:
             raise InvalidRequestError("forward needs at least one sequence with at least one new token")
-        cached_slots, new_slots, positions, modes, decoding = [], [], [], [], []
-        for i, (item, n) in enumerate(zip(batch, lengths)):
+        cached_slots, new_slots, positions, modes = [], [], [], []
+        for item, n in zip(batch, lengths):
             cached = self.slots(item.cached)
             target = self.slots(item.target)
             if target.numel() != n:
@@ -242,18 +225,15 @@ class ModelRunner:
             start = cached.numel()
             positions.append(torch.arange(start, start + n, device=self.device))
             modes.append(attention_plan(start, n, self.dtype, self.device, decode=item.decode))
-            if modes[-1].decode:
-                decoding.append(i)
         ids = torch.tensor([t for item in batch for t in item.new_tokens], dtype=torch.int64, device=self.device)
         cos, sin = rope_cos_sin(self._inv_freq, torch.cat(positions), attention_scaling=self._rope_scaling, dtype=self.dtype)
         write = torch.cat(new_slots)
         offsets = [0]
         for n in lengths:
             offsets.append(offsets[-1] + n)
-        group = self._decode_group(decoding, cached_slots, new_slots, offsets)
         h = self._embed(ids)  # [N, hidden]
         for layer_idx, layer in enumerate(self._layers):
-            h = self._layer(layer_idx, layer, h, cos, sin, write, cached_slots, offsets, modes, group)
+            h = self._layer(layer_idx, layer, h, cos, sin, write, cached_slots, offsets, modes)
         if all_logits:
             hidden = [h[offsets[i] : offsets[i + 1]] for i in range(len(batch))]
         else:
@@ -265,21 +245,7 @@ class ModelRunner:
             pos += chunk.shape[0]
         return out
 
-    def _decode_group(self, decoding: list[int], cached_slots, new_slots, offsets) -> _DecodeGroup | None:
-        """Padded slot table and mask of the step's decoding sequences (built once per forward)."""
-        if not decoding:
-            return None
-        ctx = [torch.cat((cached_slots[i], new_slots[i])) for i in decoding]
-        longest = max(c.numel() for c in ctx)
-        slots = torch.zeros((len(ctx), longest), dtype=torch.int64, device=self.device)
-        bias = torch.full((len(ctx), longest), float("-inf"), dtype=torch.float32, device=self.device)
-        for j, c in enumerate(ctx):
-            slots[j, : c.numel()] = c
-            bias[j, : c.numel()] = 0.0
-        rows = torch.tensor([offsets[i] for i in decoding], dtype=torch.int64, device=self.device)
-        return _DecodeGroup(members=tuple(decoding), rows=rows, slots=slots, bias=bias)
-
-    def _layer(self, idx, layer, h, cos, sin, write, cached_slots, offsets, modes, group) -> torch.Tensor:
+    def _layer(self, idx, layer, h, cos, sin, write, cached_slots, offsets, modes) -> torch.Tensor:
         w = self._weights[idx]
         n = h.shape[0]
         hq, hkv = self.num_heads, self.num_kv_heads
@@ -290,21 +256,15 @@ class ModelRunner:
         kc, vc = self.k_cache[idx], self.v_cache[idx]  # [slots, Hkv, D]
         kc.index_copy_(0, write, k)
         vc.index_copy_(0, write, v)
-        outs: list[torch.Tensor | None] = [None] * len(cached_slots)
+        outs = []
         for i, slots in enumerate(cached_slots):
             lo, hi = offsets[i], offsets[i + 1]
-            if group is not None and i in group.members:
-                continue
             if slots is None:  # cold prefill: attend over the fresh K/V directly
-                outs[i] = attention(q[lo:hi], k[lo:hi], v[lo:hi], scale=self._scale)
+                outs.append(attention(q[lo:hi], k[lo:hi], v[lo:hi], scale=self._scale))
             else:  # the cached context from the arena, then this step's fresh K/V (no re-gather)
                 ctx_k = torch.cat((kc.index_select(0, slots), k[lo:hi]))
                 ctx_v = torch.cat((vc.index_select(0, slots), v[lo:hi]))
-                outs[i] = attention_over_prefix(q[lo:hi], ctx_k, ctx_v, scale=self._scale, plan=modes[i])
-        if group is not None:  # every generated token of the step in one batched kernel
-            dec = paged_decode_attention(q.index_select(0, group.rows), kc, vc, group.slots, group.bias, scale=self._scale)
-            for j, i in enumerate(group.members):
-                outs[i] = dec[j : j + 1]
+                outs.append(attention_over_prefix(q[lo:hi], ctx_k, ctx_v, scale=self._scale, plan=modes[i]))
         a = torch.cat(outs) if len(outs) > 1 else outs[0]
         h = h + w.o_proj(a.reshape(n, hq * self.head_dim))
         x = F.rms_norm(h, w.norm_shape, w.post_norm, w.post_eps)

@@ -119,24 +119,3 @@ def test_prompt_rows_are_bit_identical_with_or_without_a_cached_prefix():
         assert torch.equal(warm, cold[cached:]), cached
     decode = attention_over_prefix(q[-1:], k, v, scale=0.125, plan=attention_plan(699, 1, torch.bfloat16, decode=True))
     assert (decode.float() - cold[-1:].float()).abs().max().item() < 2e-2  # generated tokens: a faster form
-
-
-def test_paged_decode_attention_batches_sequences_of_different_lengths():
-    from ragcache_backend.model.kernels import decode_attention, paged_decode_attention
-
-    g = torch.Generator().manual_seed(5)
-    k_arena, v_arena = (torch.randn(200, 2, 16, generator=g).bfloat16() for _ in range(2))
-    lengths = (37, 120, 5)
-    perm = torch.randperm(200, generator=g)
-    ctx = [perm[i * 60 : i * 60 + n] if n <= 60 else perm[:n] for i, n in enumerate(lengths)]
-    q = torch.randn(3, 8, 16, generator=g).bfloat16()
-    slots = torch.zeros(3, 120, dtype=torch.int64)
-    bias = torch.full((3, 120), float("-inf"))
-    for j, c in enumerate(ctx):
-        slots[j, : c.numel()], bias[j, : c.numel()] = c, 0.0
-    out = paged_decode_attention(q, k_arena, v_arena, slots, bias, scale=0.25)
-    for j, c in enumerate(ctx):
-        alone = decode_attention(q[j : j + 1], k_arena[c], v_arena[c], 0.25)
-        assert (out[j : j + 1].float() - alone.float()).abs().max().item() < 1e-2
-    one = paged_decode_attention(q[1:2], k_arena, v_arena, slots[1:2], bias[1:2], scale=0.25)
-    assert torch.equal(one, decode_attention(q[1:2], k_arena[ctx[1]], v_arena[ctx[1]], 0.25))  # B == 1: same kernel

@@ -184,39 +184,3 @@ def attention_over_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
         padded = torch.cat((q.new_zeros((plan.num_cached, *q.shape[1:])), q))
         return attention(padded, k, v, scale=scale)[plan.num_cached:]
     return attention(q, k, v, scale=scale, mask=plan.bias)
-
-
-def paged_decode_attention(q: torch.Tensor, k_arena: torch.Tensor, v_arena: torch.Tensor, slots: torch.Tensor,
-                           bias: torch.Tensor, *, scale: float) -> torch.Tensor:
-    """Decode attention of ``B`` sequences at once, straight from the paged arena.
-
-    Each sequence's context is gathered by slot (padded to the longest, the padding masked by
-    ``bias``) and all ``B x Hkv`` heads run as two batched float32 GEMMs; with ``B == 1`` and no
-    padding it computes exactly what :func:`decode_attention` computes.
-
-    Args:
-        q: ``[B, Hq, D]`` queries of the generated tokens (RoPE applied).
-        k_arena, v_arena: ``[slots, Hkv, D]`` one layer of the KV arena (new tokens already written).
-        slots: ``[B, S]`` int64 arena slots of each context (own token last; padding: any valid slot).
-        bias: ``[B, S]`` float32, 0 for context and ``-inf`` for padding.
-        scale: softmax scale.
-
-    Returns:
-        ``[B, Hq, D]`` in ``q``'s dtype.
-
-    Raises:
-        ValueError: on shape mismatch.
-    """
-    b, hq, d = q.shape
-    hkv = k_arena.shape[1]
-    if slots.dim() != 2 or slots.shape[0] != b or bias.shape != slots.shape or hq % hkv or k_arena.shape[2] != d:
-        raise ValueError(f"paged_decode_attention: q {tuple(q.shape)}, slots {tuple(slots.shape)}, bias {tuple(bias.shape)}")
-    s, g = slots.shape[1], hq // hkv
-    k = k_arena.index_select(0, slots.reshape(-1)).view(b, s, hkv, d)
-    v = v_arena.index_select(0, slots.reshape(-1)).view(b, s, hkv, d)
-    qh = q.reshape(b * hkv, g, d).float()
-    kh = k.permute(0, 2, 3, 1).float().reshape(b * hkv, d, s)
-    scores = torch.bmm(qh, kh).mul_(scale).view(b, hkv, g, s).add_(bias[:, None, None, :])
-    probs = torch.softmax(scores, dim=-1).view(b * hkv, g, s)
-    out = torch.bmm(probs, v.permute(0, 2, 1, 3).float().reshape(b * hkv, s, d))  # [B*Hkv, g, D]
-    return out.reshape(b, hq, d).to(q.dtype)
