@@ -27,6 +27,7 @@ from ragcache_backend.engine.engine import RAGCacheEngine
 from ragcache_backend.engine.scheduler import SchedulerConfig
 from ragcache_backend.errors import CacheBudgetError, RequestCancelledError
 from ragcache_backend.model.sampling import SamplingParams
+from tests.serving.leaks import assert_at_baseline as _at_baseline, node_blocks as _node_blocks
 
 DOCS = [
     f"Document {i}: the {w} module of the standard library handles {w} tasks; see section {i * 7} "
@@ -58,20 +59,6 @@ def make_engine(tiny_model, fixed_profile):
     yield make
     for engine in made:
         engine.close(cancel=True, timeout=30)
-
-
-def _node_blocks(cache) -> int:
-    return sum(len(n.device_blocks or ()) for n in cache.tree if not n.is_root and n.in_device)
-
-
-def _at_baseline(engine) -> None:
-    """No request holds anything: every used block is a tree node's, nothing is locked."""
-    cache = engine.cache
-    cache.check_invariants()
-    assert cache.device_used_blocks == _node_blocks(cache), "a request's KV blocks leaked"
-    assert cache.request_blocks == 0 and cache.locked_nodes == 0
-    assert cache.device_used_blocks <= cache.num_device_blocks
-    assert cache.host_used_bytes <= cache.host_budget_bytes
 
 
 def _idle_at_baseline(engine) -> None:

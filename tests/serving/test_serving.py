@@ -12,6 +12,7 @@ from ragcache_backend.config import EngineConfig
 from ragcache_backend.engine.engine import RAGCacheEngine
 from ragcache_backend.errors import CacheBudgetError, RequestCancelledError
 from ragcache_backend.model.sampling import SamplingParams
+from tests.serving.leaks import assert_at_baseline as _at_baseline, node_blocks as _node_blocks
 from ragcache_backend.engine.scheduler import SchedulerConfig
 from ragcache_backend.engine.serving import EngineClosedError, ServingEngine
 
@@ -33,17 +34,6 @@ def _engine(tiny_model, fixed_profile, *, device_blocks=256, host_bytes=1 << 20,
 def _requests(n, seed=0, k=2):
     rng = random.Random(seed)
     return [(rng.choice(QUESTIONS), rng.sample(DOCS[:5], k)) for _ in range(n)]
-
-
-def _node_blocks(cache) -> int:
-    return sum(len(n.device_blocks or ()) for n in cache.tree if not n.is_root and n.in_device)
-
-
-def _at_baseline(engine) -> None:
-    cache = engine.cache
-    cache.check_invariants()
-    assert cache.device_used_blocks == _node_blocks(cache), "a request's KV blocks leaked"
-    assert cache.request_blocks == 0 and cache.locked_nodes == 0
 
 
 @pytest.mark.parametrize("reorder", [True, False])
