@@ -37,7 +37,7 @@ from ragcache_backend.bench.report import (compact_records, paired_by_hit, plot,
                                           slo_throughput, summarize)
 
 MiB = 1024 * 1024
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]  # ragcache_backend/bench/bench.py -> the repository
 BENCH_DIR = REPO / "benchmarks"
 PEER_VENVS = {"vllm": BENCH_DIR / ".venv-vllm", "llamacpp": BENCH_DIR / ".venv-llamacpp"}
 
