@@ -189,7 +189,7 @@ def _quiet_loaders() -> None:
     hf_logging.set_verbosity_error()
 
 
-def _config(model: Optional[str], dtype: str, threads: int, policy: str = "pgdsf"):
+def engine_config(model: Optional[str], dtype: str, threads: int, policy: str = "pgdsf"):
     """The engine configuration, built (and so validated) before the index or the model is loaded."""
     from pydantic import ValidationError
 
@@ -261,7 +261,7 @@ def ask(
         if not question.strip():
             raise EmptyQueryError("the question is empty")
         _precheck(corpus, model)
-        config = _config(model, dtype, threads, policy)
+        config = engine_config(model, dtype, threads, policy)
         store = _store(corpus)
         engine = _engine(config, store)
         hits = store.search(question, k)
@@ -303,7 +303,7 @@ def demo(
         from ragcache_backend.demo.demo import run_demo, write_report
 
         _precheck(corpus, model)
-        config = _config(model, dtype, threads)
+        config = engine_config(model, dtype, threads)
         docs_root = python_docs_dir()
         store = _store(corpus)
         engine = _engine(config, store=store)

@@ -484,9 +484,21 @@ class RAGCacheEngine:
         if self._thread is None:
             with self._thread_lock:
                 if self._thread is None:
-                    self._thread = threading.Thread(target=_run_loop, args=(weakref.ref(self),),
+                    self._thread = threading.Thread(target=RAGCacheEngine._run_loop, args=(weakref.ref(self),),
                                                     name="ragcache-engine", daemon=False)
                     self._thread.start()
+
+    @staticmethod
+    def _run_loop(ref: weakref.ReferenceType[RAGCacheEngine]) -> None:
+        """The loop thread's body. It holds the engine only weakly between turns, so an engine its
+        caller dropped (and its KV arena) is freed: the thread then ends by itself. It is not a daemon:
+        when the main thread ends it finishes its requests and returns before Python finalizes (a
+        daemon thread stopped inside torch at finalization aborts the process)."""
+        while True:
+            engine = ref()
+            if engine is None or not engine._loop_once():
+                return
+            del engine
 
     def _loop_once(self) -> bool:
         """One turn of the loop thread: wait (at most 0.5 s) for work, then step; False to stop."""
@@ -741,18 +753,6 @@ async def _settled(handle: RequestHandle) -> None:
     await asyncio.wait([fut])
     if not fut.cancelled():
         fut.exception()  # retrieved: the caller asked for the cancellation
-
-
-def _run_loop(ref: weakref.ReferenceType[RAGCacheEngine]) -> None:
-    """The loop thread's body. It holds the engine only weakly between turns, so an engine its
-    caller dropped (and its KV arena) is freed: the thread then ends by itself. It is not a daemon:
-    when the main thread ends it finishes its requests and returns before Python finalizes (a
-    daemon thread stopped inside torch at finalization aborts the process)."""
-    while True:
-        engine = ref()
-        if engine is None or not engine._loop_once():
-            return
-        del engine
 
 
 def _final_chunk(fut) -> StreamChunk | BaseException:

@@ -129,13 +129,13 @@ def test_long_error_is_not_wrapped(capsys, loads):
 )
 def test_dtype_aliases_are_accepted_and_normalized(monkeypatch, capsys, loads, given, canonical):
     configs = []
-    real_config = cli._config
+    real_config = cli.engine_config
 
     def record(*args, **kwargs):
         configs.append(real_config(*args, **kwargs))
         return configs[-1]
 
-    monkeypatch.setattr(cli, "_config", record)
+    monkeypatch.setattr(cli, "engine_config", record)
     with pytest.raises(Reached):
         cli.main(["ask", "q", "--dtype", given, "--policy", "LRU", "--threads", "1", "--k", "2"])
     assert loads == ["store"]
@@ -197,6 +197,6 @@ def test_config_validation_error_is_a_user_error():
     from ragcache_backend.errors import RAGCacheError
 
     with pytest.raises(RAGCacheError) as info:
-        cli._config(None, "float32", 0)
+        cli.engine_config(None, "float32", 0)
     message = str(info.value)
     assert "threads" in message and "\n" not in message
