@@ -249,9 +249,9 @@ class TieredCache:
             parent = self.insert(parent, p.spec.key, p.spec.num_tokens, p.blocks)
             lease.path.append(parent)
         lease.committed = True
-        if lease.path:
+        if lease.path:  # a request that does not use the cache leaves the statistics alone
             computed = [False] * lease.reused + [True] * (len(lease.path) - lease.reused)
-            self.record_request(lease.path, computed, alpha, max(beta, 1) if any(computed) else beta)
+            self.record_request(lease.path, computed, alpha, beta)
 
     def finish(self, lease: Lease) -> None:
         """Unlock the lease's path and free the blocks it owns; idempotent (safe in ``finally``)."""

@@ -153,18 +153,18 @@ class ModelRunner:
         self.dtype = loaded.dtype
         inner = loaded.model.model
         self._embed = inner.embed_tokens
-        self._layers = list(inner.layers)
+        layers = list(inner.layers)
         self._norm = inner.norm
         self._lm_head = loaded.model.lm_head
-        self.num_layers = len(self._layers)
+        self.num_layers = len(layers)
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         rotary = inner.rotary_emb
         self._inv_freq = rotary.inv_freq.to(self.device, torch.float32)
         self._rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
-        self._scale = float(getattr(self._layers[0].self_attn, "scaling", self.head_dim**-0.5))
-        self._weights = [_fuse_layer(layer) for layer in self._layers]
+        self._scale = float(getattr(layers[0].self_attn, "scaling", self.head_dim**-0.5))
+        self._weights = [_fuse_layer(layer) for layer in layers]
         shape = (self.num_layers, num_device_blocks * block_size, self.num_kv_heads, self.head_dim)
         # zeros, not empty: the arena is committed up front (a bounded budget, as vLLM's), so the
         # first write to a block never pays the page faults of lazily committed memory
@@ -232,8 +232,8 @@ class ModelRunner:
         for n in lengths:
             offsets.append(offsets[-1] + n)
         h = self._embed(ids)  # [N, hidden]
-        for layer_idx, layer in enumerate(self._layers):
-            h = self._layer(layer_idx, layer, h, cos, sin, write, cached_slots, offsets, modes)
+        for layer_idx in range(self.num_layers):
+            h = self._layer(layer_idx, h, cos, sin, write, cached_slots, offsets, modes)
         if all_logits:
             hidden = [h[offsets[i] : offsets[i + 1]] for i in range(len(batch))]
         else:
@@ -245,7 +245,7 @@ class ModelRunner:
             pos += chunk.shape[0]
         return out
 
-    def _layer(self, idx, layer, h, cos, sin, write, cached_slots, offsets, modes) -> torch.Tensor:
+    def _layer(self, idx, h, cos, sin, write, cached_slots, offsets, modes) -> torch.Tensor:
         w = self._weights[idx]
         n = h.shape[0]
         hq, hkv = self.num_heads, self.num_kv_heads

@@ -289,6 +289,14 @@ async def test_cancelling_an_agenerate_task_cancels_the_request(make_engine):
 
 
 # ---- 4: a client that disconnects mid-stream ----------------------------------------------------
+async def _until_cancelled(engine, count: int, what: str) -> None:
+    """Wait (10 s at most) until ``count`` requests were cancelled and none is in flight."""
+    deadline = time.monotonic() + 10
+    while engine.in_flight or engine.stats.cancelled < count:
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.005)
+
+
 async def test_client_disconnect_mid_stream_cancels_the_request(make_engine):
     engine = make_engine()
     engine.stop_ids = frozenset()
@@ -298,10 +306,7 @@ async def test_client_disconnect_mid_stream_cancels_the_request(make_engine):
         async for chunk in stream:
             assert chunk.result is None
             break
-    deadline = time.monotonic() + 10
-    while engine.in_flight or engine.stats.cancelled < 1:
-        assert time.monotonic() < deadline, "the abandoned request is still running"
-        await asyncio.sleep(0.005)
+    await _until_cancelled(engine, 1, "the abandoned request is still running")
     assert engine.stats.cancelled == 1 and engine.stats.finished == 0
     _at_baseline(engine)
 
@@ -311,36 +316,26 @@ async def test_client_disconnect_mid_stream_cancels_the_request(make_engine):
             return chunk
 
     assert (await client()).result is None
-    deadline = time.monotonic() + 10
-    while engine.in_flight or engine.stats.cancelled < 2:
-        assert time.monotonic() < deadline, "the dropped stream's request is still running"
-        await asyncio.sleep(0.005)
+    await _until_cancelled(engine, 2, "the dropped stream's request is still running")
     assert engine.stats.cancelled == 2 and engine.stats.finished == 0
     _at_baseline(engine)
     assert engine.generate(QUESTIONS[2], DOCS[:3], SamplingParams(max_tokens=3)).token_ids
     _idle_at_baseline(engine)
 
 
-async def test_closing_astream_segments_waits_until_blocks_are_freed(make_engine):
+@pytest.mark.parametrize("api", ["astream", "astream_segments"])
+async def test_closing_a_stream_waits_until_blocks_are_freed(make_engine, api):
     engine = make_engine()
     engine.stop_ids = frozenset()
-    segments, _ = engine.segments_for(QUESTIONS[0], DOCS[:3], LONG)
-    async with contextlib.aclosing(engine.astream_segments(segments, LONG)) as stream:
+    if api == "astream":
+        opened = engine.astream(QUESTIONS[0], DOCS[:3], LONG)
+    else:
+        opened = engine.astream_segments(engine.segments_for(QUESTIONS[0], DOCS[:3], LONG)[0], LONG)
+    async with contextlib.aclosing(opened) as stream:
         async for chunk in stream:
             assert chunk.result is None
             break
     # no await since aclose(): the request is already cancelled and its blocks freed
-    assert engine.stats.cancelled == 1 and engine.in_flight == 0
-    _at_baseline(engine)
-
-
-async def test_closing_astream_waits_until_blocks_are_freed(make_engine):
-    engine = make_engine()
-    engine.stop_ids = frozenset()
-    async with contextlib.aclosing(engine.astream(QUESTIONS[0], DOCS[:3], LONG)) as stream:
-        async for chunk in stream:
-            assert chunk.result is None
-            break
     assert engine.stats.cancelled == 1 and engine.in_flight == 0
     _at_baseline(engine)
 
