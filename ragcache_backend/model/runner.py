@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from ragcache_backend.errors import InvalidRequestError
-from ragcache_backend.model.kernels import apply_rope, attention, attention_over_prefix, attention_plan, rope_cos_sin
+from ragcache_backend.model.kernels import apply_rope, attention, attention_over_prefix, attention_plan, native, rope_cos_sin
+from ragcache_backend.model.kernels.linear import Linear, pack_linear
 from ragcache_backend.model.loader import LoadedModel
 
 
@@ -79,13 +80,13 @@ class HostKV:
 @dataclass(slots=True)
 class _LayerWeights:
     """One decoder layer's weights as the runner uses them: Q/K/V and gate/up fused into one GEMM
-    each (the module's own parameters become views of the fused tensors: no copy is kept)."""
+    each (the module's own parameters become views of the fused tensors), every GEMM's weight
+    prepacked for oneDNN on the CPU (:mod:`ragcache_backend.model.kernels.linear`)."""
 
-    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, hidden]
-    qkv_bias: torch.Tensor | None
-    o_proj: torch.nn.Module
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down_proj: torch.nn.Module
+    qkv: Linear  # [(Hq + 2 Hkv) * D, hidden]
+    o_proj: Linear
+    gate_up: Linear  # [2 * intermediate, hidden]
+    down_proj: Linear
     act: Callable[[torch.Tensor], torch.Tensor]
     norm_shape: tuple[int, ...]
     input_norm: torch.Tensor
@@ -118,7 +119,8 @@ def _fuse_layer(layer: torch.nn.Module) -> _LayerWeights:
     if gate_up_bias is not None:
         raise InvalidRequestError("MLP biases are not supported by the runner")
     return _LayerWeights(
-        qkv=qkv, qkv_bias=qkv_bias, o_proj=attn.o_proj, gate_up=gate_up, down_proj=mlp.down_proj, act=mlp.act_fn,
+        qkv=pack_linear(qkv, qkv_bias), o_proj=pack_linear(attn.o_proj.weight, attn.o_proj.bias), gate_up=pack_linear(gate_up),
+        down_proj=pack_linear(mlp.down_proj.weight, mlp.down_proj.bias), act=mlp.act_fn,
         norm_shape=(layer.input_layernorm.weight.shape[0],),
         input_norm=layer.input_layernorm.weight, input_eps=float(layer.input_layernorm.variance_epsilon),
         post_norm=layer.post_attention_layernorm.weight, post_eps=float(layer.post_attention_layernorm.variance_epsilon),
@@ -155,7 +157,8 @@ class ModelRunner:
         self._embed = inner.embed_tokens
         layers = list(inner.layers)
         self._norm = inner.norm
-        self._lm_head = loaded.model.lm_head
+        head = loaded.model.lm_head
+        self._lm_head = pack_linear(head.weight, head.bias)
         self.num_layers = len(layers)
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -170,6 +173,15 @@ class ModelRunner:
         # first write to a block never pays the page faults of lazily committed memory
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # bf16 on an AVX512-BF16 CPU: attention reads the arena directly (no per-layer gather) and
+        # every row is computed alone, so cached and uncached prompts agree bit for bit
+        self.native_attention = native.available(self.dtype, self.device, self.head_dim)
+        # ... and the row-wise steps between the GEMMs run fused (RoPE + KV write, add + RMSNorm,
+        # SiLU * up): a decode step of a small model is mostly the dispatch of those small ops
+        self.native_fused = self.native_attention and getattr(cfg, "hidden_act", "") == "silu" and native.fused_available(
+            self.dtype, self.device, hidden=cfg.hidden_size, intermediate=self._weights[0].gate_up.weight.shape[0] // 2,
+            head_dim=self.head_dim)
+        self._final_norm = (self._norm.weight.detach(), float(getattr(self._norm, "variance_epsilon", getattr(self._norm, "eps", 1e-6))))
 
     # ---- sizes -------------------------------------------------------------------------------
     @property
@@ -214,7 +226,7 @@ class ModelRunner:
         lengths = [len(item.new_tokens) for item in batch]
         if not batch or min(lengths) < 1:
             raise InvalidRequestError("forward needs at least one sequence with at least one new token")
-        cached_slots, new_slots, positions, modes = [], [], [], []
+        cached_slots, new_slots, positions, modes, context = [], [], [], [], []
         for item, n in zip(batch, lengths):
             cached = self.slots(item.cached)
             target = self.slots(item.target)
@@ -225,32 +237,58 @@ class ModelRunner:
             start = cached.numel()
             positions.append(torch.arange(start, start + n, device=self.device))
             modes.append(attention_plan(start, n, self.dtype, self.device, decode=item.decode))
+            if self.native_attention:
+                context.append(torch.cat((cached, target)) if cached.numel() else target)
         ids = torch.tensor([t for item in batch for t in item.new_tokens], dtype=torch.int64, device=self.device)
-        cos, sin = rope_cos_sin(self._inv_freq, torch.cat(positions), attention_scaling=self._rope_scaling, dtype=self.dtype)
         write = torch.cat(new_slots)
         offsets = [0]
         for n in lengths:
             offsets.append(offsets[-1] + n)
         h = self._embed(ids)  # [N, hidden]
-        for layer_idx in range(self.num_layers):
-            h = self._layer(layer_idx, h, cos, sin, write, cached_slots, offsets, modes)
-        if all_logits:
-            hidden = [h[offsets[i] : offsets[i + 1]] for i in range(len(batch))]
+        rows = torch.arange(offsets[-1]) if all_logits else torch.tensor(offsets[1:]) - 1
+        rows = rows.to(self.device)
+        if self.native_fused:
+            normed = self._layers_fused(h, write, context, offsets, modes, torch.cat(positions)).index_select(0, rows)
         else:
-            hidden = [h[offsets[i + 1] - 1 : offsets[i + 1]] for i in range(len(batch))]
-        logits = self._lm_head(self._norm(torch.cat(hidden))).float()
-        out, pos = [], 0
-        for chunk in hidden:
-            out.append(logits[pos : pos + chunk.shape[0]] if all_logits else logits[pos])
-            pos += chunk.shape[0]
-        return out
+            cos, sin = rope_cos_sin(self._inv_freq, torch.cat(positions), attention_scaling=self._rope_scaling, dtype=self.dtype)
+            for layer_idx in range(self.num_layers):
+                h = self._layer(layer_idx, h, cos, sin, write, cached_slots, offsets, modes, context)
+            normed = self._norm(h.index_select(0, rows))
+        logits = self._lm_head(normed).float()
+        if all_logits:
+            return [logits[offsets[i] : offsets[i + 1]] for i in range(len(batch))]
+        return list(logits)
 
-    def _layer(self, idx, h, cos, sin, write, cached_slots, offsets, modes) -> torch.Tensor:
+    def _layers_fused(self, h, write, context, offsets, modes, positions) -> torch.Tensor:
+        """Every decoder layer with the native bf16 kernels; ``h`` (the residual stream) is
+        updated in place. Returns the final-normed hidden states ``[N, hidden]``."""
+        n, hq, hkv, d = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        cos, sin = rope_cos_sin(self._inv_freq, positions, attention_scaling=self._rope_scaling, dtype=torch.float32)
+        h = h.contiguous()
+        x = native.add_rms_norm(h, None, self._weights[0].input_norm, self._weights[0].input_eps)
+        a = torch.empty((n, hq, d), dtype=self.dtype)
+        for idx, w in enumerate(self._weights):
+            kc, vc = self.k_cache[idx], self.v_cache[idx]
+            qkv = w.qkv(x).view(n, hq + 2 * hkv, d)
+            native.rope_write(qkv, hq, hkv, cos, sin, kc, vc, write)
+            q = qkv[:, :hq]
+            for i, ctx in enumerate(context):
+                lo, hi = offsets[i], offsets[i + 1]
+                native.paged_prefill_attention(q[lo:hi], kc, vc, ctx, modes[i].num_cached, self._scale, out=a[lo:hi])
+            x = native.add_rms_norm(h, w.o_proj(a.view(n, hq * d)), w.post_norm, w.post_eps)
+            down = w.down_proj(native.silu_mul(w.gate_up(x)))
+            if idx + 1 < len(self._weights):
+                x = native.add_rms_norm(h, down, self._weights[idx + 1].input_norm, self._weights[idx + 1].input_eps)
+            else:
+                x = native.add_rms_norm(h, down, *self._final_norm)
+        return x
+
+    def _layer(self, idx, h, cos, sin, write, cached_slots, offsets, modes, context) -> torch.Tensor:
         w = self._weights[idx]
         n = h.shape[0]
         hq, hkv = self.num_heads, self.num_kv_heads
         x = F.rms_norm(h, w.norm_shape, w.input_norm, w.input_eps)
-        qkv = F.linear(x, w.qkv, w.qkv_bias).view(n, hq + 2 * hkv, self.head_dim)  # one GEMM for Q, K, V
+        qkv = w.qkv(x).view(n, hq + 2 * hkv, self.head_dim)  # one GEMM for Q, K, V
         qk = apply_rope(qkv[:, : hq + hkv], cos, sin)  # RoPE on Q and K heads at once
         q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :]  # [N, Hq, D], [N, Hkv, D], [N, Hkv, D]
         kc, vc = self.k_cache[idx], self.v_cache[idx]  # [slots, Hkv, D]
@@ -259,7 +297,9 @@ class ModelRunner:
         outs = []
         for i, slots in enumerate(cached_slots):
             lo, hi = offsets[i], offsets[i + 1]
-            if slots is None:  # cold prefill: attend over the fresh K/V directly
+            if context:  # native kernel: straight over the arena, new K/V already written
+                outs.append(native.paged_prefill_attention(q[lo:hi], kc, vc, context[i], modes[i].num_cached, self._scale))
+            elif slots is None:  # cold prefill: attend over the fresh K/V directly
                 outs.append(attention(q[lo:hi], k[lo:hi], v[lo:hi], scale=self._scale))
             else:  # the cached context from the arena, then this step's fresh K/V (no re-gather)
                 ctx_k = torch.cat((kc.index_select(0, slots), k[lo:hi]))
@@ -268,7 +308,7 @@ class ModelRunner:
         a = torch.cat(outs) if len(outs) > 1 else outs[0]
         h = h + w.o_proj(a.reshape(n, hq * self.head_dim))
         x = F.rms_norm(h, w.norm_shape, w.post_norm, w.post_eps)
-        gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)  # one GEMM for gate and up
+        gate, up = w.gate_up(x).chunk(2, dim=-1)  # one GEMM for gate and up
         return h + w.down_proj(w.act(gate) * up)
 
     # ---- KVMover (tiers) -----------------------------------------------------------------------

@@ -1,0 +1,112 @@
+/* Fused row-wise steps of a Llama decoder layer for bf16 on AVX512-BF16 CPUs (ragcache).
+ *
+ * Each replaces several PyTorch ops (and their dispatch, which dominates a decode step of a small
+ * model): RoPE on Q and K plus the KV arena write; residual add plus RMSNorm; SiLU(gate) * up.
+ * Every row is computed alone (float32 inside, one bf16 rounding where PyTorch rounds), so results
+ * do not depend on how many rows a call has: the property cache exactness needs.
+ * Lengths must be multiples of 16 (the Python side checks and otherwise keeps the torch path).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+
+typedef uint16_t bf16_t;
+
+#define TGT __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl")))
+
+TGT static inline __m512 load_bf16(const bf16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+TGT static inline void store_bf16(bf16_t *p, __m512 x) {
+    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(x));
+}
+
+TGT static inline __m512 round_bf16(__m512 x) { /* x rounded to bf16, back in float32 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+}
+
+TGT static inline __m512 exp512_any(__m512 x) {
+    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 y = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(y, n);
+}
+
+/* In place on qkv [N, Hq + 2 Hkv, D] (row stride (Hq + 2 Hkv) D): rotate the Hq query and Hkv key
+ * heads of row n by cos/sin [N, D] (float32, HF "rotate_half" layout), then write row n's keys and
+ * values to kc/vc [slots, Hkv, D] at slot slots[n]. */
+TGT void rc_rope_write(bf16_t *qkv, int64_t N, int64_t Hq, int64_t Hkv, int64_t D, const float *cos,
+                       const float *sin, bf16_t *kc, bf16_t *vc, const int64_t *slots, int nthreads) {
+    const int64_t row = (Hq + 2 * Hkv) * D, half = D / 2;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (N > 8)
+    for (int64_t n = 0; n < N; n++) {
+        bf16_t *x = qkv + n * row;
+        const float *c = cos + n * D, *s = sin + n * D;
+        for (int64_t h = 0; h < Hq + Hkv; h++) {
+            bf16_t *xh = x + h * D;
+            for (int64_t d = 0; d < half; d += 16) {
+                __m512 a = load_bf16(xh + d), b = load_bf16(xh + half + d);
+                /* out[:half] = a cos - b sin; out[half:] = b cos + a sin (rotate_half) */
+                __m512 lo = _mm512_fmsub_ps(a, _mm512_loadu_ps(c + d), _mm512_mul_ps(b, _mm512_loadu_ps(s + d)));
+                __m512 hi = _mm512_fmadd_ps(b, _mm512_loadu_ps(c + half + d), _mm512_mul_ps(a, _mm512_loadu_ps(s + half + d)));
+                store_bf16(xh + d, lo);
+                store_bf16(xh + half + d, hi);
+            }
+        }
+        bf16_t *kd = kc + slots[n] * Hkv * D, *vd = vc + slots[n] * Hkv * D;
+        const bf16_t *ks = x + Hq * D, *vs = x + (Hq + Hkv) * D;
+        for (int64_t i = 0; i < Hkv * D; i += 32) {
+            _mm512_storeu_si512(kd + i, _mm512_loadu_si512(ks + i));
+            _mm512_storeu_si512(vd + i, _mm512_loadu_si512(vs + i));
+        }
+    }
+}
+
+/* h [N, H] += delta (if not NULL; one bf16 rounding, as h + delta in torch), then
+ * out = weight * bf16(h * rsqrt(mean(h^2) + eps)) (HF LlamaRMSNorm's roundings). */
+TGT void rc_add_rms_norm(bf16_t *h, const bf16_t *delta, const bf16_t *weight, float eps, int64_t N, int64_t H,
+                         bf16_t *out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (N > 8)
+    for (int64_t n = 0; n < N; n++) {
+        bf16_t *x = h + n * H;
+        __m512 ss = _mm512_setzero_ps();
+        for (int64_t i = 0; i < H; i += 16) {
+            __m512 v = load_bf16(x + i);
+            if (delta) {
+                v = round_bf16(_mm512_add_ps(v, load_bf16(delta + n * H + i)));
+                store_bf16(x + i, v);
+            }
+            ss = _mm512_fmadd_ps(v, v, ss);
+        }
+        const __m512 r = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)H + eps));
+        for (int64_t i = 0; i < H; i += 16) {
+            __m512 v = round_bf16(_mm512_mul_ps(load_bf16(x + i), r));
+            store_bf16(out + n * H + i, _mm512_mul_ps(v, load_bf16(weight + i)));
+        }
+    }
+}
+
+/* out [N, I] = bf16(silu(gate)) * up, with gate_up [N, 2I] = [gate | up] per row. */
+TGT void rc_silu_mul(const bf16_t *gate_up, int64_t N, int64_t I, bf16_t *out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (N > 8)
+    for (int64_t n = 0; n < N; n++) {
+        const bf16_t *g = gate_up + n * 2 * I, *u = g + I;
+        for (int64_t i = 0; i < I; i += 16) {
+            __m512 x = load_bf16(g + i);
+            __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), exp512_any(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+            __m512 act = round_bf16(_mm512_mul_ps(x, sig));
+            store_bf16(out + n * I + i, _mm512_mul_ps(act, load_bf16(u + i)));
+        }
+    }
+}

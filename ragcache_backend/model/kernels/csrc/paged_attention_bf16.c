@@ -1,0 +1,227 @@
+/* Prompt attention over paged KV for bf16 on x86 CPUs with AVX512-BF16 (ragcache).
+ *
+ * Computes, for T new queries at absolute positions P .. P+T-1 (GQA: query head hq reads KV head
+ * hq / g), causal attention over context slots[0 .. P+T-1] read straight from the KV arena (no
+ * gather, no concatenation): out[t, hq] = softmax(scale * q[t, hq] . K[0..P+t]^T) V[0..P+t].
+ *
+ * Arithmetic: QK^T and PV with VDPBF16PS (bf16 pairs, float32 accumulation); online softmax in
+ * float32 over key blocks of 64 starting at key 0; probabilities rounded to bf16 for PV as in
+ * FlashAttention; output rounded once to bf16.
+ *
+ * Exactness: every query row is computed with the same operations in the same order whatever the
+ * other rows of the call are, because (1) key blocks are fixed at absolute key positions, (2) a
+ * block past a row's causal limit leaves that row bit-for-bit unchanged (rescale factor exactly 1,
+ * probabilities exactly 0), (3) rows are only tiled side by side, never reduced together. So a
+ * prompt's attention output is the same whether its prefix came from the cache (small T, large P)
+ * or was computed in the same call (P = 0): the reason this kernel exists (bf16 cache exactness).
+ *
+ * Threads: OpenMP over (KV head, query block); linked against the libgomp that torch has already
+ * loaded, so it shares torch's thread pool.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define KB 64      /* keys per block */
+#define QT 4       /* query vectors per register tile */
+#define QPOS 16    /* query positions per work item */
+
+typedef uint16_t bf16_t;
+
+int rc_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512bf16");
+}
+
+__attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl")))
+static inline __m512 exp512(__m512 x) {
+    /* expf for x <= 0 (Cephes polynomial, range reduction by ln 2); x below -87 clamps near 0 */
+    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 y = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(y, n);
+}
+
+/* One work item: query positions [t0, t1) of KV head h. kp: packed keys of this head,
+ * [S_pad/16][D/2][16] uint32 (bf16 pairs); vp: packed values, [S_pad/2][D] uint32 (bf16 pairs of
+ * consecutive keys). */
+__attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl")))
+static void attend_item(const bf16_t *q, int64_t q_row, int64_t D, int64_t g, int64_t h,
+                        int64_t t0, int64_t t1, int64_t P, const uint32_t *kp, const uint32_t *vp,
+                        float scale, bf16_t *out, int64_t out_row) {
+    const int64_t nvec = (t1 - t0) * g;
+    const int64_t DP = D / 2;
+    float acc[QT][256] __attribute__((aligned(64)));
+    uint32_t pb[QT][KB / 2] __attribute__((aligned(64)));
+    for (int64_t v0 = 0; v0 < nvec; v0 += QT) {
+        int64_t lim[QT], head[QT], tpos[QT];
+        float m[QT], l[QT], alpha[QT];
+        const uint32_t *qv[QT];
+        int64_t maxlim = 0;
+        for (int i = 0; i < QT; i++) {
+            int64_t v = v0 + i < nvec ? v0 + i : nvec - 1; /* pad a short tile with its last row */
+            tpos[i] = t0 + v / g;
+            head[i] = h * g + v % g;
+            lim[i] = P + tpos[i];
+            if (lim[i] > maxlim) maxlim = lim[i];
+            qv[i] = (const uint32_t *)(q + tpos[i] * q_row + head[i] * D);
+            m[i] = -INFINITY;
+            l[i] = 0.0f;
+            memset(acc[i], 0, sizeof(float) * D);
+        }
+        const int64_t nblocks = maxlim / KB + 1;
+        for (int64_t kb = 0; kb < nblocks; kb++) {
+            /* scores: 4 query vectors x 64 keys */
+            __m512 c[QT][4];
+            for (int i = 0; i < QT; i++)
+                for (int j = 0; j < 4; j++) c[i][j] = _mm512_setzero_ps();
+            const uint32_t *kblk = kp + kb * 4 * DP * 16;
+            for (int64_t p = 0; p < DP; p++) {
+                __m512bh kv[4];
+                for (int j = 0; j < 4; j++) kv[j] = (__m512bh)_mm512_loadu_si512(kblk + (j * DP + p) * 16);
+                for (int i = 0; i < QT; i++) {
+                    __m512bh bq = (__m512bh)_mm512_set1_epi32((int)qv[i][p]);
+                    for (int j = 0; j < 4; j++) c[i][j] = _mm512_dpbf16_ps(c[i][j], kv[j], bq);
+                }
+            }
+            int64_t maxvalid = 0;
+            for (int i = 0; i < QT; i++) {
+                int64_t valid = lim[i] - kb * KB + 1;
+                if (valid > KB) valid = KB;
+                if (valid <= 0) { /* past this row's causal limit: leave it untouched */
+                    alpha[i] = 1.0f;
+                    memset(pb[i], 0, sizeof(pb[i]));
+                    continue;
+                }
+                if (valid > maxvalid) maxvalid = valid;
+                __m512 s[4];
+                __m512 bm = _mm512_set1_ps(-INFINITY);
+                __mmask16 mk[4];
+                for (int j = 0; j < 4; j++) {
+                    int64_t left = valid - j * 16;
+                    mk[j] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1u);
+                    s[j] = _mm512_mul_ps(c[i][j], _mm512_set1_ps(scale));
+                    bm = _mm512_mask_max_ps(bm, mk[j], bm, s[j]);
+                }
+                float bmax = _mm512_reduce_max_ps(bm);
+                float mnew = bmax > m[i] ? bmax : m[i];
+                alpha[i] = mnew == m[i] ? 1.0f : expf(m[i] - mnew);
+                __m512 mv = _mm512_set1_ps(mnew);
+                __m512 sum = _mm512_setzero_ps();
+                __m512 pr[4];
+                for (int j = 0; j < 4; j++) {
+                    pr[j] = _mm512_maskz_mov_ps(mk[j], exp512(_mm512_sub_ps(s[j], mv)));
+                    sum = _mm512_add_ps(sum, pr[j]);
+                }
+                l[i] = l[i] * alpha[i] + _mm512_reduce_add_ps(sum);
+                m[i] = mnew;
+                _mm512_store_si512(pb[i], (__m512i)_mm512_cvtne2ps_pbh(pr[1], pr[0]));
+                _mm512_store_si512(pb[i] + 16, (__m512i)_mm512_cvtne2ps_pbh(pr[3], pr[2]));
+            }
+            if (maxvalid == 0) continue;
+            /* PV: acc[i] = acc[i] * alpha[i] + p[i] . V[block], 64 dims at a time */
+            const int64_t npairs = (maxvalid + 1) / 2;
+            const uint32_t *vblk = vp + kb * (KB / 2) * D;
+            for (int64_t dg = 0; dg < D; dg += 64) {
+                __m512 o[QT][4];
+                for (int i = 0; i < QT; i++) {
+                    __m512 a = _mm512_set1_ps(alpha[i]);
+                    for (int j = 0; j < 4; j++) o[i][j] = _mm512_mul_ps(_mm512_load_ps(acc[i] + dg + 16 * j), a);
+                }
+                for (int64_t jp = 0; jp < npairs; jp++) {
+                    __m512bh vv[4];
+                    for (int j = 0; j < 4; j++) vv[j] = (__m512bh)_mm512_loadu_si512(vblk + jp * D + dg + 16 * j);
+                    for (int i = 0; i < QT; i++) {
+                        __m512bh bp = (__m512bh)_mm512_set1_epi32((int)pb[i][jp]);
+                        for (int j = 0; j < 4; j++) o[i][j] = _mm512_dpbf16_ps(o[i][j], vv[j], bp);
+                    }
+                }
+                for (int i = 0; i < QT; i++)
+                    for (int j = 0; j < 4; j++) _mm512_store_ps(acc[i] + dg + 16 * j, o[i][j]);
+            }
+        }
+        for (int i = 0; i < QT && v0 + i < nvec; i++) {
+            __m512 inv = _mm512_set1_ps(1.0f / l[i]);
+            bf16_t *dst = out + tpos[i] * out_row + head[i] * D;
+            for (int64_t d = 0; d < D; d += 32) {
+                __m512bh r = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_load_ps(acc[i] + d + 16), inv),
+                                                 _mm512_mul_ps(_mm512_load_ps(acc[i] + d), inv));
+                _mm512_storeu_si512(dst + d, (__m512i)r);
+            }
+        }
+    }
+}
+
+/* Pack keys [start, end) of KV head h into kp / vp (see attend_item); keys >= S are zero. */
+static void pack_keys(const bf16_t *kc, const bf16_t *vc, int64_t slot_row, const int64_t *slots, int64_t S,
+                      int64_t h, int64_t D, int64_t start, int64_t end, uint32_t *kp, uint32_t *vp) {
+    const int64_t DP = D / 2;
+    for (int64_t j = start; j < end; j++) {
+        uint32_t *kdst = kp + (j / 16) * DP * 16 + (j % 16);
+        bf16_t *vdst = (bf16_t *)(vp + (j / 2) * D) + (j % 2);
+        if (j < S) {
+            const uint32_t *krow = (const uint32_t *)(kc + slots[j] * slot_row + h * D);
+            const bf16_t *vrow = vc + slots[j] * slot_row + h * D;
+            for (int64_t p = 0; p < DP; p++) kdst[p * 16] = krow[p];
+            for (int64_t d = 0; d < D; d++) vdst[2 * d] = vrow[d];
+        } else {
+            for (int64_t p = 0; p < DP; p++) kdst[p * 16] = 0;
+            for (int64_t d = 0; d < D; d++) vdst[2 * d] = 0;
+        }
+    }
+}
+
+/* Returns 0 on success, 1 if the arguments are out of range, 2 if out of memory.
+ *   q: [T, Hq, D] with row stride q_row (elements between consecutive t);
+ *   kc, vc: one layer of the KV arena, [slots, Hkv, D] contiguous (slot_row = Hkv * D);
+ *   slots: [S] arena slot of context key j (S = P + T; the new keys are already written);
+ *   out: [T, Hq, D] contiguous. */
+int rc_paged_prefill_attention(const bf16_t *q, int64_t q_row, const bf16_t *kc, const bf16_t *vc,
+                               const int64_t *slots, int64_t S, int64_t P, int64_t T, int64_t Hq,
+                               int64_t Hkv, int64_t D, float scale, bf16_t *out, int nthreads) {
+    if (T < 1 || P < 0 || S != P + T || Hkv < 1 || Hq % Hkv != 0 || D % 64 != 0 || D > 256 || nthreads < 1)
+        return 1;
+    const int64_t g = Hq / Hkv;
+    const int64_t S_pad = (S + KB - 1) / KB * KB;
+    const int64_t per_head = S_pad * D / 2; /* uint32 words per head, for keys and for values */
+    uint32_t *kp = aligned_alloc(64, (size_t)(Hkv * per_head * 4));
+    uint32_t *vp = aligned_alloc(64, (size_t)(Hkv * per_head * 4));
+    if (!kp || !vp) {
+        free(kp);
+        free(vp);
+        return 2;
+    }
+    const int64_t chunks = S_pad / KB;
+    const int64_t nqb = (T + QPOS - 1) / QPOS;
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t w = 0; w < Hkv * chunks; w++) {
+            int64_t h = w / chunks, c = w % chunks;
+            pack_keys(kc, vc, Hkv * D, slots, S, h, D, c * KB, (c + 1) * KB, kp + h * per_head, vp + h * per_head);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t w = 0; w < Hkv * nqb; w++) {
+            /* the latest query blocks (most keys) first, for balance */
+            int64_t qb = nqb - 1 - w / Hkv, h = w % Hkv;
+            int64_t t0 = qb * QPOS, t1 = t0 + QPOS < T ? t0 + QPOS : T;
+            attend_item(q, q_row, D, g, h, t0, t1, P, kp + h * per_head, vp + h * per_head, scale, out, Hq * D);
+        }
+    }
+    free(kp);
+    free(vp);
+    return 0;
+}

@@ -1,0 +1,74 @@
+"""Linear layers with weights prepacked once for oneDNN (CPU), as Inductor's frozen graphs do.
+
+``F.linear`` on the CPU re-lays the weight out for oneDNN on every call (bf16) or runs MKL's
+GEMM (float32). Packing once at load time and calling oneDNN's linear directly is, measured on
+this project's 2-core AMD EPYC (AVX512-BF16, no AMX) for SmolLM2's shapes: bf16 1.3-2.3x faster at
+1-30 rows and ~5% at 1,000 rows, bit-identical to ``F.linear``; float32 2-4x faster (not
+bit-identical to MKL; rows stay independent of the batch, which MKL's do not).
+
+The packed path goes through PyTorch's internal ``torch.ops.mkldnn`` ops (the ones Inductor's
+weight freezing uses); :func:`pack_linear` probes them once and falls back to ``F.linear`` where
+they are missing or disagree, so a torch without them only loses speed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Linear:
+    """``y = x W^T + b`` for ``x`` ``[N, in]`` -> ``[N, out]`` in the weight's dtype.
+
+    Attributes:
+        weight: ``[out, in]`` (the plain weight, used when ``packed`` is None).
+        bias: ``[out]`` or None.
+        packed: the oneDNN-packed weight, or None for ``F.linear``.
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    packed: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def _packing_works(dtype: torch.dtype) -> bool:
+    try:
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randn(48, 64, generator=gen).to(dtype)
+        x = torch.randn(5, 64, generator=gen).to(dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w)
+        y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    except (RuntimeError, AttributeError, NotImplementedError) as exc:
+        log.info("oneDNN weight packing unavailable (%s); using F.linear", exc)
+        return False
+    return bool(torch.allclose(y.float(), F.linear(x, w).float(), rtol=1e-2, atol=1e-2))
+
+
+_works: dict[torch.dtype, bool] = {}
+
+
+def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+    """A :class:`Linear` over ``weight`` ``[out, in]`` (and ``bias``), packed for oneDNN when the
+    weight is on the CPU in float32 or bf16 and packing works in this torch; plain otherwise.
+
+    The packed copy adds the weight's size in memory (the plain weight stays for other users).
+    """
+    weight = weight.detach()
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+        return Linear(weight, bias)
+    if weight.dtype not in _works:
+        _works[weight.dtype] = _packing_works(weight.dtype)
+    if not _works[weight.dtype]:
+        return Linear(weight, bias)
+    return Linear(weight, bias, torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()))
