@@ -247,19 +247,20 @@ class ModelRunner:
         h = self._embed(ids)  # [N, hidden]
         rows = torch.arange(offsets[-1]) if all_logits else torch.tensor(offsets[1:]) - 1
         rows = rows.to(self.device)
+        step = native.attention_batch(context, lengths, [item.decode for item in batch]) if self.native_attention else None
         if self.native_fused:
-            normed = self._layers_fused(h, write, context, offsets, modes, torch.cat(positions)).index_select(0, rows)
+            normed = self._layers_fused(h, write, step, torch.cat(positions)).index_select(0, rows)
         else:
             cos, sin = rope_cos_sin(self._inv_freq, torch.cat(positions), attention_scaling=self._rope_scaling, dtype=self.dtype)
             for layer_idx in range(self.num_layers):
-                h = self._layer(layer_idx, h, cos, sin, write, cached_slots, offsets, modes, context)
+                h = self._layer(layer_idx, h, cos, sin, write, cached_slots, offsets, modes, step)
             normed = self._norm(h.index_select(0, rows))
         logits = self._lm_head(normed).float()
         if all_logits:
             return [logits[offsets[i] : offsets[i + 1]] for i in range(len(batch))]
         return list(logits)
 
-    def _layers_fused(self, h, write, context, offsets, modes, positions) -> torch.Tensor:
+    def _layers_fused(self, h, write, step, positions) -> torch.Tensor:
         """Every decoder layer with the native bf16 kernels; ``h`` (the residual stream) is
         updated in place. Returns the final-normed hidden states ``[N, hidden]``."""
         n, hq, hkv, d = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
@@ -271,10 +272,7 @@ class ModelRunner:
             kc, vc = self.k_cache[idx], self.v_cache[idx]
             qkv = w.qkv(x).view(n, hq + 2 * hkv, d)
             native.rope_write(qkv, hq, hkv, cos, sin, kc, vc, write)
-            q = qkv[:, :hq]
-            for i, ctx in enumerate(context):
-                lo, hi = offsets[i], offsets[i + 1]
-                native.paged_prefill_attention(q[lo:hi], kc, vc, ctx, modes[i].num_cached, self._scale, out=a[lo:hi])
+            native.paged_attention(qkv[:, :hq], kc, vc, step, self._scale, out=a)
             x = native.add_rms_norm(h, w.o_proj(a.view(n, hq * d)), w.post_norm, w.post_eps)
             down = w.down_proj(native.silu_mul(w.gate_up(x)))
             if idx + 1 < len(self._weights):
@@ -283,7 +281,7 @@ class ModelRunner:
                 x = native.add_rms_norm(h, down, *self._final_norm)
         return x
 
-    def _layer(self, idx, h, cos, sin, write, cached_slots, offsets, modes, context) -> torch.Tensor:
+    def _layer(self, idx, h, cos, sin, write, cached_slots, offsets, modes, step) -> torch.Tensor:
         w = self._weights[idx]
         n = h.shape[0]
         hq, hkv = self.num_heads, self.num_kv_heads
@@ -294,18 +292,19 @@ class ModelRunner:
         kc, vc = self.k_cache[idx], self.v_cache[idx]  # [slots, Hkv, D]
         kc.index_copy_(0, write, k)
         vc.index_copy_(0, write, v)
-        outs = []
-        for i, slots in enumerate(cached_slots):
-            lo, hi = offsets[i], offsets[i + 1]
-            if context:  # native kernel: straight over the arena, new K/V already written
-                outs.append(native.paged_prefill_attention(q[lo:hi], kc, vc, context[i], modes[i].num_cached, self._scale))
-            elif slots is None:  # cold prefill: attend over the fresh K/V directly
-                outs.append(attention(q[lo:hi], k[lo:hi], v[lo:hi], scale=self._scale))
-            else:  # the cached context from the arena, then this step's fresh K/V (no re-gather)
-                ctx_k = torch.cat((kc.index_select(0, slots), k[lo:hi]))
-                ctx_v = torch.cat((vc.index_select(0, slots), v[lo:hi]))
-                outs.append(attention_over_prefix(q[lo:hi], ctx_k, ctx_v, scale=self._scale, plan=modes[i]))
-        a = torch.cat(outs) if len(outs) > 1 else outs[0]
+        if step is not None:  # native kernel: the whole step at once, straight over the arena
+            a = native.paged_attention(q, kc, vc, step, self._scale)
+        else:
+            outs = []
+            for i, slots in enumerate(cached_slots):
+                lo, hi = offsets[i], offsets[i + 1]
+                if slots is None:  # cold prefill: attend over the fresh K/V directly
+                    outs.append(attention(q[lo:hi], k[lo:hi], v[lo:hi], scale=self._scale))
+                else:  # the cached context from the arena, then this step's fresh K/V (no re-gather)
+                    ctx_k = torch.cat((kc.index_select(0, slots), k[lo:hi]))
+                    ctx_v = torch.cat((vc.index_select(0, slots), v[lo:hi]))
+                    outs.append(attention_over_prefix(q[lo:hi], ctx_k, ctx_v, scale=self._scale, plan=modes[i]))
+            a = torch.cat(outs) if len(outs) > 1 else outs[0]
         h = h + w.o_proj(a.reshape(n, hq * self.head_dim))
         x = F.rms_norm(h, w.norm_shape, w.post_norm, w.post_eps)
         gate, up = w.gate_up(x).chunk(2, dim=-1)  # one GEMM for gate and up

@@ -44,6 +44,33 @@ def test_real_model_exactness_with_cached_documents(engine, faq_store):
         assert on.answer.strip()
 
 
+def test_bf16_answers_with_the_cache_equal_answers_without_it(real_model, fixed_profile, faq_store):
+    """bf16 exactness on the native CPU kernels: a full hit's logits are bit-identical to the
+    cold prompt's, and so are the generated answers (a miss and a hit)."""
+    import copy
+
+    from ragcache_backend.model.kernels import native
+    from ragcache_backend.model.loader import LoadedModel
+
+    if not native.available(torch.bfloat16, "cpu", 64):
+        pytest.skip("bf16 exactness holds on the native kernels (AVX512-BF16 and a C compiler)")
+    bf = LoadedModel(copy.deepcopy(real_model.model).to(torch.bfloat16), real_model.tokenizer, real_model.name,
+                     real_model.fingerprint + "-bf16", torch.bfloat16, real_model.device, real_model.context_window)
+    eng = RAGCacheEngine(EngineConfig(dtype="bfloat16"), loaded=bf, profile=fixed_profile, store=faq_store)
+    assert eng.runner.native_fused
+    sampling = SamplingParams(max_tokens=24)
+    for q in QUESTIONS:
+        docs = [h.document for h in faq_store.search(q, 3)]
+        segs, _ = eng.segments_for(q, docs, sampling)
+        full, _ = first_logits(eng, segs, use_cache=False)
+        first_logits(eng, segs, use_cache=True)
+        reused, cached = first_logits(eng, segs, use_cache=True)
+        assert cached == sum(len(s) for s in segs) - 1 and torch.equal(reused, full)
+        off = eng.generate(q, docs, sampling, use_cache=False)
+        assert eng.generate(q, docs, sampling).token_ids == off.token_ids
+    eng.close()
+
+
 def test_real_model_matches_transformers_forward(engine):
     ids = engine.prompts.encode_text("The quick brown fox jumps over the lazy dog. " * 30)
     segs, _ = engine.segments_for("What does the fox do?", ["The quick brown fox jumps over the lazy dog. " * 30], SamplingParams(max_tokens=4))

@@ -52,6 +52,40 @@ def test_paged_attention_rows_do_not_depend_on_the_other_rows():
     assert torch.equal(head, cold[:300])
 
 
+@pytest.mark.parametrize("context,hq,hkv,d", [(1, 9, 3, 64), (15, 9, 3, 64), (16, 9, 3, 64), (1000, 9, 3, 64), (77, 8, 1, 128)])
+def test_decode_kernel_matches_the_reference(context, hq, hkv, d):
+    kc, vc = _arena(2048, hkv, d, seed=context)
+    g = torch.Generator().manual_seed(9)
+    slots = torch.randperm(2048, generator=g)[:context]
+    q = torch.randn(1, hq, d, generator=g).bfloat16()
+    out = native.paged_prefill_attention(q, kc, vc, slots, context - 1, d**-0.5, decode=True)
+    ref = attention(q.float(), kc[slots].float(), vc[slots].float(), scale=d**-0.5)
+    assert (out.float() - ref).abs().max().item() < 1e-2  # float32 probabilities: tighter than the prompt kernel
+
+
+def test_one_call_for_a_mixed_step_equals_one_call_per_sequence():
+    """Prompts (cold and over a cached prefix) and generated tokens in one call give the same rows
+    as each sequence alone."""
+    kc, vc = _arena(4096, 3, 64, seed=10)
+    g = torch.Generator().manual_seed(11)
+    perm = torch.randperm(4096, generator=g)
+    specs = [(0, 130, False), (500, 1, True), (200, 7, False), (63, 1, False), (1, 1, True)]  # (cached, new, decode)
+    contexts, at = [], 0
+    for cached, new, _ in specs:
+        contexts.append(perm[at : at + cached + new])
+        at += cached + new
+    q = torch.randn(sum(n for _, n, _ in specs), 9, 64, generator=g).bfloat16()
+    batch = native.attention_batch(contexts, [n for _, n, _ in specs], [dec for _, _, dec in specs])
+    together = native.paged_attention(q, kc, vc, batch, 0.125)
+    row = 0
+    for (cached, new, dec), ctx in zip(specs, contexts):
+        alone = native.paged_prefill_attention(q[row : row + new], kc, vc, ctx, cached, 0.125, decode=dec)
+        assert torch.equal(together[row : row + new], alone)
+        row += new
+    with pytest.raises(NativeKernelError):
+        native.attention_batch(contexts[:1], [2], [True])  # a generated token comes one at a time
+
+
 def test_rope_write_matches_apply_rope_and_writes_the_arena():
     n, hq, hkv, d = 37, 9, 3, 64
     g = torch.Generator().manual_seed(4)

@@ -20,11 +20,13 @@ import torch
 import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
+_REDUCED = (torch.bfloat16, torch.float16)
 
 
 @dataclass(slots=True)
 class Linear:
-    """``y = x W^T + b`` for ``x`` ``[N, in]`` -> ``[N, out]`` in the weight's dtype.
+    """``y = x W^T + b`` for ``x`` ``[N, in]`` -> ``[N, out]`` in the weight's dtype; on the CPU in
+    bf16/fp16 every row's result is the same whatever ``N`` is (the property cache exactness needs).
 
     Attributes:
         weight: ``[out, in]`` (the plain weight, used when ``packed`` is None).
@@ -37,6 +39,15 @@ class Linear:
     packed: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1 and x.dtype in _REDUCED and x.device.type == "cpu":
+            # oneDNN sums a lone row in another order than a row of a larger batch (measured for
+            # K = 1,536: ~9% of single rows round differently in bf16; every M >= 2 agrees), so a
+            # single row runs as two: a prompt's last token then rounds the same whether it was
+            # computed alone (a cache hit) or with the rest of its prompt. Costs nothing measurable.
+            return self._apply(x.expand(2, -1).contiguous())[:1]
+        return self._apply(x)
+
+    def _apply(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

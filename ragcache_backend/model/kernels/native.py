@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -74,9 +75,9 @@ def _build() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(lib_path))
     lib.rc_supported.restype = ctypes.c_int
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.rc_paged_prefill_attention.restype = ctypes.c_int
-    lib.rc_paged_prefill_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
-                                                ctypes.c_float, ptr, ctypes.c_int]
+    lib.rc_paged_attention.restype = ctypes.c_int
+    lib.rc_paged_attention.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float, ptr,
+                                       ctypes.c_int]
     lib.rc_rope_write.restype = None
     lib.rc_rope_write.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
     lib.rc_add_rms_norm.restype = None
@@ -107,49 +108,104 @@ def available(dtype: torch.dtype, device: torch.device | str, head_dim: int) -> 
             and head_dim <= 256 and _library() is not None)
 
 
-def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                            num_cached: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of ``T`` prompt queries over their context, read from the KV arena.
+@dataclass(slots=True, frozen=True)
+class AttentionBatch:
+    """The sequences of one forward step as the native attention kernel reads them (built once per
+    step, used by every layer).
+
+    Attributes:
+        slots: ``[sum S_b]`` int64 arena slots of every sequence's context, concatenated.
+        ctx_off: ``[B + 1]`` int64 offsets of each context in ``slots``.
+        q_off: ``[B + 1]`` int64 offsets of each sequence's new rows in the step (``T_b`` rows at the
+            end of its context).
+        decode: ``[B]`` uint8, 1 where the one new token is a generated token (decode kernel).
+    """
+
+    slots: torch.Tensor
+    ctx_off: torch.Tensor
+    q_off: torch.Tensor
+    decode: torch.Tensor
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.q_off[-1])
+
+
+def attention_batch(contexts: list[torch.Tensor], num_new: list[int], decode: list[bool]) -> AttentionBatch:
+    """Pack per-sequence contexts (``[S_b]`` int64 slots, new tokens last) into an :class:`AttentionBatch`.
+
+    Raises:
+        NativeKernelError: lengths disagree, a sequence has no new token, more new tokens than
+            context, or a decode sequence with more than one new token.
+    """
+    if not (len(contexts) == len(num_new) == len(decode)) or not contexts:
+        raise NativeKernelError("attention_batch: one context, count and flag per sequence, at least one")
+    for ctx, t, dec in zip(contexts, num_new, decode):
+        if t < 1 or ctx.numel() < t or (dec and t != 1) or ctx.dtype != torch.int64:
+            raise NativeKernelError(f"attention_batch: bad sequence (context {ctx.numel()} {ctx.dtype}, new {t}, decode {dec})")
+    ctx_off = torch.tensor([0, *(int(c.numel()) for c in contexts)], dtype=torch.int64).cumsum(0)
+    q_off = torch.tensor([0, *num_new], dtype=torch.int64).cumsum(0)
+    return AttentionBatch(torch.cat(contexts).cpu().contiguous(), ctx_off, q_off, torch.tensor(decode, dtype=torch.uint8))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch, scale: float,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of every sequence's new rows over its context, read straight from the arena.
+
+    Prompt rows take a tiled kernel over keys packed per call (fixed 64-key blocks from position
+    0); generated tokens take an unpacked decode kernel. Either way each row is computed alone, so
+    a prompt row is bit-identical whatever else runs in the call and however much of its prefix
+    came from the cache.
 
     Args:
-        q: ``[T, Hq, D]`` bf16 queries (RoPE applied) at positions ``num_cached .. num_cached+T-1``;
-            rows may be strided (a view of the fused QKV output) but each head's ``D`` values
-            contiguous.
+        q: ``[N, Hq, D]`` bf16 queries (RoPE applied), ``N = batch.num_rows``; rows may be strided
+            (a view of the fused QKV output) but each head's ``D`` values contiguous.
         k_cache, v_cache: one layer of the arena, ``[slots, Hkv, D]`` bf16, contiguous; the new
-            tokens' K/V already written.
-        slots: ``[num_cached + T]`` int64 arena slots of the context, in order.
-        num_cached: ``P``, context tokens before the new ones.
+            tokens' K/V already written. Slots in ``batch`` must lie inside it.
+        batch: the step's sequences (:func:`attention_batch`).
         scale: softmax scale.
-        out: optional contiguous ``[T, Hq, D]`` bf16 tensor to write into.
+        out: optional contiguous ``[N, Hq, D]`` bf16 tensor to write into.
 
     Returns:
-        ``out`` or a new ``[T, Hq, D]`` bf16 tensor, each row bit-identical for the same context whatever ``P`` and ``T``.
+        ``out`` or a new ``[N, Hq, D]`` bf16 tensor.
 
     Raises:
         NativeKernelError: the kernel is not available, or shapes/dtypes do not fit it.
     """
     lib = _library()
-    t, hq, d = q.shape
-    hkv = k_cache.shape[1]
+    n, hq, d = q.shape
     if lib is None:
         raise NativeKernelError("native attention kernel is not available")
     if (q.dtype != torch.bfloat16 or k_cache.dtype != torch.bfloat16 or v_cache.dtype != torch.bfloat16
             or q.stride(2) != 1 or q.stride(1) != d or not k_cache.is_contiguous() or not v_cache.is_contiguous()
-            or k_cache.shape != v_cache.shape or k_cache.shape[2] != d or slots.dtype != torch.int64
-            or slots.numel() != num_cached + t):
-        raise NativeKernelError(f"paged_prefill_attention: bad arguments q={tuple(q.shape)}/{q.dtype}/{q.stride()}, "
-                                f"kv={tuple(k_cache.shape)}/{k_cache.dtype}, slots={tuple(slots.shape)}, num_cached={num_cached}")
-    slots = slots.contiguous()
+            or k_cache.shape != v_cache.shape or k_cache.shape[2] != d or n != batch.num_rows
+            or hq % k_cache.shape[1] != 0 or hq // k_cache.shape[1] > 8):
+        raise NativeKernelError(f"paged_attention: bad arguments q={tuple(q.shape)}/{q.dtype}/{q.stride()}, "
+                                f"kv={tuple(k_cache.shape)}/{k_cache.dtype}, rows={batch.num_rows}")
     if out is None:
-        out = torch.empty((t, hq, d), dtype=torch.bfloat16)
+        out = torch.empty((n, hq, d), dtype=torch.bfloat16)
     elif out.shape != q.shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
-        raise NativeKernelError(f"paged_prefill_attention: bad out {tuple(out.shape)}/{out.dtype}")
-    rc = lib.rc_paged_prefill_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
-                                        num_cached + t, num_cached, t, hq, hkv, d, scale, out.data_ptr(),
-                                        torch.get_num_threads())
+        raise NativeKernelError(f"paged_attention: bad out {tuple(out.shape)}/{out.dtype}")
+    rc = lib.rc_paged_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), batch.slots.data_ptr(),
+                                batch.ctx_off.data_ptr(), batch.q_off.data_ptr(), batch.decode.data_ptr(),
+                                len(batch.decode), hq, k_cache.shape[1], d, scale, out.data_ptr(), torch.get_num_threads())
     if rc != 0:
-        raise NativeKernelError(f"paged_prefill_attention failed with code {rc} (1: arguments, 2: memory)")
+        raise NativeKernelError(f"paged_attention failed with code {rc} (1: arguments, 2: memory)")
     return out
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                            num_cached: int, scale: float, *, decode: bool = False) -> torch.Tensor:
+    """:func:`paged_attention` for one sequence: ``T`` new queries at positions
+    ``num_cached .. num_cached+T-1`` over ``slots`` (``[num_cached + T]`` int64 arena slots).
+    ``decode``: the one new token is a generated one (the decode kernel).
+
+    Raises:
+        NativeKernelError: as :func:`paged_attention`, or ``slots`` does not hold ``num_cached + T``.
+    """
+    if slots.numel() != num_cached + q.shape[0]:
+        raise NativeKernelError(f"paged_prefill_attention: {slots.numel()} slots for {num_cached} cached + {q.shape[0]} new")
+    return paged_attention(q, k_cache, v_cache, attention_batch([slots], [q.shape[0]], [decode]), scale)
 
 
 def fused_available(dtype: torch.dtype, device: torch.device | str, *, hidden: int, intermediate: int, head_dim: int) -> bool:

@@ -184,44 +184,151 @@ static void pack_keys(const bf16_t *kc, const bf16_t *vc, int64_t slot_row, cons
     }
 }
 
-/* Returns 0 on success, 1 if the arguments are out of range, 2 if out of memory.
- *   q: [T, Hq, D] with row stride q_row (elements between consecutive t);
- *   kc, vc: one layer of the KV arena, [slots, Hkv, D] contiguous (slot_row = Hkv * D);
- *   slots: [S] arena slot of context key j (S = P + T; the new keys are already written);
- *   out: [T, Hq, D] contiguous. */
-int rc_paged_prefill_attention(const bf16_t *q, int64_t q_row, const bf16_t *kc, const bf16_t *vc,
-                               const int64_t *slots, int64_t S, int64_t P, int64_t T, int64_t Hq,
-                               int64_t Hkv, int64_t D, float scale, bf16_t *out, int nthreads) {
-    if (T < 1 || P < 0 || S != P + T || Hkv < 1 || Hq % Hkv != 0 || D % 64 != 0 || D > 256 || nthreads < 1)
-        return 1;
+/* One generated token's g query heads (t = P, the last context position) of KV head h over
+ * context keys 0 .. P read straight from the arena, without packing: scores in float32 from
+ * VDPBF16PS dot products, one softmax pass, PV with float32 FMAs. Used for generated tokens only
+ * (a prompt token always takes attend_item, whatever its count), so prompt rows stay exact. */
+__attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl")))
+static int decode_item(const bf16_t *q, int64_t D, int64_t g, int64_t h, int64_t S, const bf16_t *kc,
+                       const bf16_t *vc, int64_t slot_row, const int64_t *slots, float scale, bf16_t *out) {
+    float *scores = malloc(sizeof(float) * (size_t)(g * S));
+    if (!scores) return 2;
+    const int64_t nq = D / 32;
+    for (int64_t i = 0; i < g; i++) {
+        const bf16_t *qi = q + (h * g + i) * D;
+        __m512bh qv[8];
+        for (int64_t c = 0; c < nq; c++) qv[c] = (__m512bh)_mm512_loadu_si512(qi + 32 * c);
+        float m = -INFINITY;
+        float *si = scores + i * S;
+        for (int64_t j = 0; j < S; j++) {
+            const bf16_t *kr = kc + slots[j] * slot_row + h * D;
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t c = 0; c < nq; c++) acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(kr + 32 * c), qv[c]);
+            si[j] = _mm512_reduce_add_ps(acc) * scale;
+            if (si[j] > m) m = si[j];
+        }
+        __m512 mv = _mm512_set1_ps(m), sum = _mm512_setzero_ps();
+        int64_t j = 0;
+        for (; j + 16 <= S; j += 16) {
+            __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(si + j), mv));
+            _mm512_storeu_ps(si + j, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        if (j < S) {
+            __mmask16 mk = (__mmask16)((1u << (S - j)) - 1u);
+            __m512 e = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, si + j), mv)));
+            _mm512_mask_storeu_ps(si + j, mk, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        const float inv = 1.0f / _mm512_reduce_add_ps(sum);
+        for (j = 0; j < S; j++) si[j] *= inv;
+    }
+    for (int64_t dg = 0; dg < D; dg += 64) { /* out[i] = sum_j p[i][j] v[j], 64 dims at a time */
+        __m512 o[8][4];
+        for (int64_t i = 0; i < g; i++)
+            for (int c = 0; c < 4; c++) o[i][c] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < S; j++) {
+            const bf16_t *vr = vc + slots[j] * slot_row + h * D + dg;
+            __m512 vv[4];
+            for (int c = 0; c < 4; c++)
+                vv[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vr + 16 * c))), 16));
+            for (int64_t i = 0; i < g; i++) {
+                __m512 p = _mm512_set1_ps(scores[i * S + j]);
+                for (int c = 0; c < 4; c++) o[i][c] = _mm512_fmadd_ps(p, vv[c], o[i][c]);
+            }
+        }
+        for (int64_t i = 0; i < g; i++)
+            for (int c = 0; c < 4; c += 2)
+                _mm512_storeu_si512(out + (h * g + i) * D + dg + 16 * c, (__m512i)_mm512_cvtne2ps_pbh(o[i][c + 1], o[i][c]));
+    }
+    free(scores);
+    return 0;
+}
+
+typedef struct {
+    int64_t seq, h, t0, t1; /* t1 < 0: a decode item */
+} work_t;
+
+/* Attention of a whole forward step, one call per layer, several sequences.
+ * Returns 0 on success, 1 if the arguments are out of range, 2 if out of memory.
+ *   q: [N, Hq, D] rows of all sequences in order, row stride q_row (elements);
+ *   kc, vc: one layer of the KV arena, [slots, Hkv, D] contiguous (the new keys already written);
+ *   slots: the contexts of all sequences concatenated, sequence b's at ctx_off[b] .. ctx_off[b+1];
+ *   q_off: [B+1] row offsets (sequence b has T_b = q_off[b+1] - q_off[b] new tokens at the end of
+ *     its context, positions P_b .. P_b + T_b - 1 with P_b = S_b - T_b);
+ *   decode: [B] 1 where the sequence's one new token is a generated one;
+ *   out: [N, Hq, D] contiguous. */
+int rc_paged_attention(const bf16_t *q, int64_t q_row, const bf16_t *kc, const bf16_t *vc, const int64_t *slots,
+                       const int64_t *ctx_off, const int64_t *q_off, const uint8_t *decode, int64_t B, int64_t Hq,
+                       int64_t Hkv, int64_t D, float scale, bf16_t *out, int nthreads) {
+    if (B < 1 || Hkv < 1 || Hq % Hkv != 0 || D % 64 != 0 || D > 256 || nthreads < 1 || Hq / Hkv > 8) return 1;
     const int64_t g = Hq / Hkv;
-    const int64_t S_pad = (S + KB - 1) / KB * KB;
-    const int64_t per_head = S_pad * D / 2; /* uint32 words per head, for keys and for values */
-    uint32_t *kp = aligned_alloc(64, (size_t)(Hkv * per_head * 4));
-    uint32_t *vp = aligned_alloc(64, (size_t)(Hkv * per_head * 4));
-    if (!kp || !vp) {
-        free(kp);
-        free(vp);
+    int64_t pack_words = 0, nitems = 0, npack = 0;
+    for (int64_t b = 0; b < B; b++) {
+        int64_t T = q_off[b + 1] - q_off[b], S = ctx_off[b + 1] - ctx_off[b];
+        if (T < 1 || S < T || (decode[b] && T != 1)) return 1;
+        if (decode[b]) {
+            nitems += Hkv;
+        } else {
+            int64_t S_pad = (S + KB - 1) / KB * KB;
+            pack_words += 2 * Hkv * S_pad * D / 2;
+            npack += Hkv * (S_pad / KB);
+            nitems += Hkv * ((T + QPOS - 1) / QPOS);
+        }
+    }
+    uint32_t *pack = pack_words ? aligned_alloc(64, (size_t)(pack_words * 4)) : NULL;
+    int64_t *pack_at = malloc(sizeof(int64_t) * (size_t)B);
+    work_t *items = malloc(sizeof(work_t) * (size_t)nitems);
+    work_t *packs = malloc(sizeof(work_t) * (size_t)(npack ? npack : 1));
+    if ((pack_words && !pack) || !pack_at || !items || !packs) {
+        free(pack); free(pack_at); free(items); free(packs);
         return 2;
     }
-    const int64_t chunks = S_pad / KB;
-    const int64_t nqb = (T + QPOS - 1) / QPOS;
+    int64_t at = 0, ni = 0, np = 0;
+    for (int64_t b = 0; b < B; b++) {
+        int64_t T = q_off[b + 1] - q_off[b], S = ctx_off[b + 1] - ctx_off[b];
+        pack_at[b] = at;
+        if (decode[b]) {
+            for (int64_t h = 0; h < Hkv; h++) items[ni++] = (work_t){b, h, 0, -1};
+            continue;
+        }
+        int64_t S_pad = (S + KB - 1) / KB * KB, nqb = (T + QPOS - 1) / QPOS;
+        at += 2 * Hkv * S_pad * D / 2;
+        for (int64_t h = 0; h < Hkv; h++)
+            for (int64_t c = 0; c < S_pad / KB; c++) packs[np++] = (work_t){b, h, c, 0};
+        for (int64_t qb = nqb - 1; qb >= 0; qb--) /* the latest query blocks (most keys) first */
+            for (int64_t h = 0; h < Hkv; h++) items[ni++] = (work_t){b, h, qb * QPOS, (qb + 1) * QPOS < T ? (qb + 1) * QPOS : T};
+    }
+    int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
 #pragma omp for schedule(static)
-        for (int64_t w = 0; w < Hkv * chunks; w++) {
-            int64_t h = w / chunks, c = w % chunks;
-            pack_keys(kc, vc, Hkv * D, slots, S, h, D, c * KB, (c + 1) * KB, kp + h * per_head, vp + h * per_head);
+        for (int64_t w = 0; w < np; w++) {
+            work_t it = packs[w];
+            int64_t S = ctx_off[it.seq + 1] - ctx_off[it.seq], S_pad = (S + KB - 1) / KB * KB;
+            uint32_t *kp = pack + pack_at[it.seq] + it.h * S_pad * D / 2;
+            uint32_t *vp = pack + pack_at[it.seq] + (Hkv + it.h) * S_pad * D / 2;
+            pack_keys(kc, vc, Hkv * D, slots + ctx_off[it.seq], S, it.h, D, it.t0 * KB, (it.t0 + 1) * KB, kp, vp);
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t w = 0; w < Hkv * nqb; w++) {
-            /* the latest query blocks (most keys) first, for balance */
-            int64_t qb = nqb - 1 - w / Hkv, h = w % Hkv;
-            int64_t t0 = qb * QPOS, t1 = t0 + QPOS < T ? t0 + QPOS : T;
-            attend_item(q, q_row, D, g, h, t0, t1, P, kp + h * per_head, vp + h * per_head, scale, out, Hq * D);
+        for (int64_t w = 0; w < ni; w++) {
+            work_t it = items[w];
+            int64_t S = ctx_off[it.seq + 1] - ctx_off[it.seq], T = q_off[it.seq + 1] - q_off[it.seq];
+            const bf16_t *qs = q + q_off[it.seq] * q_row;
+            bf16_t *os = out + q_off[it.seq] * Hq * D;
+            if (it.t1 < 0) {
+                if (decode_item(qs, D, g, it.h, S, kc, vc, Hkv * D, slots + ctx_off[it.seq], scale, os)) {
+#pragma omp atomic write
+                    failed = 2;
+                }
+            } else {
+                int64_t S_pad = (S + KB - 1) / KB * KB;
+                const uint32_t *kp = pack + pack_at[it.seq] + it.h * S_pad * D / 2;
+                const uint32_t *vp = pack + pack_at[it.seq] + (Hkv + it.h) * S_pad * D / 2;
+                attend_item(qs, q_row, D, g, it.h, it.t0, it.t1, S - T, kp, vp, scale, os, Hq * D);
+            }
         }
     }
-    free(kp);
-    free(vp);
-    return 0;
+    free(pack); free(pack_at); free(items); free(packs);
+    return failed;
 }
