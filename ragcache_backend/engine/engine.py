@@ -27,14 +27,17 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import hashlib
 import itertools
 import logging
+import platform
 import queue
 import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -117,6 +120,19 @@ def _doc_text_id(doc: object) -> tuple[str, str | None]:
     raise InvalidRequestError(f"a document must be a Document or a str, got {type(doc).__name__}")
 
 
+def _machine_tag() -> str:
+    """A short hash of the CPU model name (``/proc/cpuinfo``; the platform string elsewhere)."""
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return hashlib.sha256(name.encode()).hexdigest()[:8]
+
+
 class RAGCacheEngine:
     """Cache-aware generation over a Llama-family model (RAGCache §5), one step loop for all callers.
 
@@ -186,8 +202,10 @@ class RAGCacheEngine:
     # ---- profile -----------------------------------------------------------------------------
     def _load_or_measure_profile(self) -> PrefillProfile:
         threads = torch.get_num_threads()
+        # the cost of a prefill depends on the machine and on which kernels run it: both name the file
         path = self.config.profile_path or (
-            ragcache_home() / "profiles" / f"{self.loaded.fingerprint}-{self.loaded.device.type}-t{threads}.json"
+            ragcache_home() / "profiles"
+            / f"{self.loaded.fingerprint}-{self.loaded.device.type}-{_machine_tag()}-{self.runner.kernel_tag}-t{threads}.json"
         )
         if path.exists():
             return PrefillProfile.load(path)

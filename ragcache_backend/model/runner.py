@@ -183,6 +183,12 @@ class ModelRunner:
             head_dim=self.head_dim)
         self._final_norm = (self._norm.weight.detach(), float(getattr(self._norm, "variance_epsilon", getattr(self._norm, "eps", 1e-6))))
 
+    @property
+    def kernel_tag(self) -> str:
+        """Which forward path runs: ``native-fused``, ``native-attention`` or ``torch`` (prefill
+        costs, and bf16 roundings, differ between them)."""
+        return "native-fused" if self.native_fused else "native-attention" if self.native_attention else "torch"
+
     # ---- sizes -------------------------------------------------------------------------------
     @property
     def kv_bytes_per_token(self) -> int:
