@@ -1,0 +1,108 @@
+"""Cache-Craft's reuse formulas (§3.1-3.3) against hand-computed cases."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from ragcache_backend.cache.chunk_reuse import (
+    VariantStats,
+    adjusted_overlap,
+    choose_variant,
+    context_impact,
+    eviction_victim,
+    fix_overhead,
+    frequency_after_access,
+    order_penalty,
+    prefix_overlap,
+    recompute_count,
+    tokens_to_recompute,
+)
+
+# C3 (4 tokens) computed after C1 (2 tokens) and C2 (4 tokens): 1.0 of its attention went to C1,
+# 3.0 to C2, 8.0 to itself
+C3 = VariantStats("C3", 4, ("C1", "C2"), (2, 4), (1.0, 3.0), 8.0, (0.1, 0.9, 0.5, 0.9))
+
+
+def test_prefix_overlap_eq6():
+    assert prefix_overlap(C3, ("C1", "C2")) == 1.0
+    assert prefix_overlap(C3, ("C2", "C5")) == 0.75  # 3 / (1 + 3)
+    assert prefix_overlap(C3, ("C1",)) == 0.25
+    assert prefix_overlap(C3, ()) == 0.0
+
+
+def test_order_penalty_eq7_normalised_kendall_tau():
+    assert order_penalty(("C1", "C2"), ("C1", "C2")) == 0.0
+    assert order_penalty(("C1", "C2"), ("C2", "C1")) == 1.0
+    assert order_penalty(("C1", "C2"), ("C1", "C9", "C2")) == 0.0  # other chunks do not count
+    assert order_penalty(("A", "B", "C"), ("C", "A", "B")) == pytest.approx(2 / 3)  # (A,C), (B,C) discordant
+    assert order_penalty(("A", "B", "C", "D"), ("D", "C", "B", "A")) == 1.0
+    assert order_penalty(("A",), ("A",)) == 0.0 and order_penalty((), ("A", "B")) == 0.0
+
+
+def test_adjusted_overlap_eq8():
+    assert adjusted_overlap(C3, ("C2", "C1")) == 0.0  # all present, order reversed
+    assert adjusted_overlap(C3, ("C2", "C5")) == 0.75  # one common chunk: no order to penalise
+
+
+def test_context_impact_eq9_to_11():
+    a = 1.0 / (4 * 2) + 3.0 / (4 * 4)  # 0.3125
+    b = 8.0 / 4**2  # 0.5
+    assert context_impact(C3) == pytest.approx(1 / (1 + math.exp(-a / b)))
+    assert context_impact(C3) == pytest.approx(0.651355, abs=1e-6)
+    alone = VariantStats("C0", 3, (), (), (), 9.0, (0.0, 0.0, 0.0))
+    assert context_impact(alone) == 0.5  # sigmoid(0): no prefix influence at all
+
+
+def test_fix_overhead_eq12_and_token_count_eq14():
+    cfo = fix_overhead(C3, ("C2", "C5"), alpha=1.0)
+    assert cfo == pytest.approx(0.651355 * 0.25, abs=1e-6)
+    assert recompute_count(cfo, 4) == 1  # ceil(0.65)
+    assert tokens_to_recompute(C3, 1) == (1,)  # 0.9 at tokens 1 and 3: the earlier wins
+    assert tokens_to_recompute(C3, 3) == (1, 2, 3)
+    assert fix_overhead(C3, (), alpha=2.0) == 1.0  # clamped: recompute the whole chunk
+    assert recompute_count(1.0, 4) == 4 and recompute_count(0.0, 4) == 0 and recompute_count(0.5, 4) == 2
+    assert fix_overhead(C3, ("C1", "C2"), alpha=5.0) == 0.0  # the exact prefix: nothing to fix
+    with pytest.raises(ValueError):
+        fix_overhead(C3, (), alpha=-1.0)
+
+
+def test_choose_variant_takes_the_lowest_cfo():
+    other = VariantStats("C3", 4, ("C5",), (4,), (2.0,), 8.0, (0.4, 0.3, 0.2, 0.1))
+    choice = choose_variant([C3, other], ("C5", "C2"), alpha=1.0)
+    # C3: beta = 3/4 -> CFO = 0.6514 * 0.25 = 0.163; other: beta = 1 -> CFO = 0
+    assert choice.stats is other and choice.cfo == 0.0 and choice.recompute == ()
+    # prefix (C1): C3 keeps a quarter of its inter-attention, CFO = 0.6514 * 0.75 = 0.489;
+    # other keeps none, CFO = sigmoid(0.125 / 0.5) = 0.562
+    choice = choose_variant([C3, other], ("C1",), alpha=1.0)
+    assert choice.stats is C3 and choice.cfo == pytest.approx(0.651355 * 0.75, abs=1e-6)
+    assert choice.recompute == (1, 3)  # ceil(0.489 * 4) = 2 tokens, the two most attentive to the prefix
+    with pytest.raises(ValueError):
+        choose_variant([], ("C1",), alpha=1.0)
+    with pytest.raises(ValueError):
+        choose_variant([C3, VariantStats("C4", 1, (), (), (), 1.0, (0.0,))], (), alpha=1.0)
+
+
+def test_variant_store_frequency_and_eviction():
+    assert frequency_after_access(0.0, 0.25) == 4.0
+    assert frequency_after_access(4.0, 0.5) == 6.0
+    assert frequency_after_access(0.0, 0.0) == 1000.0  # an exact fit gains the most
+    assert eviction_victim([3.0, 1.0, 1.0, 5.0]) == 1
+    with pytest.raises(ValueError):
+        eviction_victim([])
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"length": 0, "token_inter": ()},
+    {"token_inter": (0.1,)},  # one score for 4 tokens
+    {"prefix": ("C1", "C1")},  # repeated prefix chunk
+    {"inter": (1.0,)},  # misaligned
+    {"intra": 0.0},
+    {"inter": (-1.0, 3.0)},
+])
+def test_inconsistent_variant_stats_are_refused(kwargs):
+    fields = {"chunk": "C3", "length": 4, "prefix": ("C1", "C2"), "prefix_lengths": (2, 4), "inter": (1.0, 3.0),
+              "intra": 8.0, "token_inter": (0.1, 0.9, 0.5, 0.9)} | kwargs
+    with pytest.raises(ValueError):
+        VariantStats(**fields)
