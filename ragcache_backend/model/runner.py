@@ -175,12 +175,13 @@ class ModelRunner:
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         # bf16 on an AVX512-BF16 CPU: attention reads the arena directly (no per-layer gather) and
         # every row is computed alone, so cached and uncached prompts agree bit for bit
-        self.native_attention = native.available(self.dtype, self.device, self.head_dim)
+        group = self.num_heads // self.num_kv_heads
+        self.native_attention = native.available(self.dtype, self.device, self.head_dim, group)
         # ... and the row-wise steps between the GEMMs run fused (RoPE + KV write, add + RMSNorm,
         # SiLU * up): a decode step of a small model is mostly the dispatch of those small ops
         self.native_fused = self.native_attention and getattr(cfg, "hidden_act", "") == "silu" and native.fused_available(
             self.dtype, self.device, hidden=cfg.hidden_size, intermediate=self._weights[0].gate_up.weight.shape[0] // 2,
-            head_dim=self.head_dim)
+            head_dim=self.head_dim, group=group)
         self._final_norm = (self._norm.weight.detach(), float(getattr(self._norm, "variance_epsilon", getattr(self._norm, "eps", 1e-6))))
 
     @property

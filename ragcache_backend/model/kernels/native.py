@@ -101,11 +101,12 @@ def _library() -> ctypes.CDLL | None:
     return _lib
 
 
-def available(dtype: torch.dtype, device: torch.device | str, head_dim: int) -> bool:
-    """Whether :func:`paged_prefill_attention` can run for this dtype, device and head size
-    (bf16 on a CPU with AVX512-BF16, head size a multiple of 64 up to 256, kernel built)."""
+def available(dtype: torch.dtype, device: torch.device | str, head_dim: int, group: int = 1) -> bool:
+    """Whether :func:`paged_attention` can run for this dtype, device, head size and GQA group
+    (query heads per KV head): bf16 on a CPU with AVX512-BF16, head size a multiple of 64 up to
+    256, group at most 8, kernel built."""
     return (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and head_dim % 64 == 0
-            and head_dim <= 256 and _library() is not None)
+            and head_dim <= 256 and 1 <= group <= 8 and _library() is not None)
 
 
 @dataclass(slots=True, frozen=True)
@@ -208,11 +209,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return paged_attention(q, k_cache, v_cache, attention_batch([slots], [q.shape[0]], [decode]), scale)
 
 
-def fused_available(dtype: torch.dtype, device: torch.device | str, *, hidden: int, intermediate: int, head_dim: int) -> bool:
+def fused_available(dtype: torch.dtype, device: torch.device | str, *, hidden: int, intermediate: int, head_dim: int,
+                    group: int = 1) -> bool:
     """Whether :func:`rope_write`, :func:`add_rms_norm` and :func:`silu_mul` can run for this
     model (bf16 on an AVX512-BF16 CPU, hidden and intermediate sizes multiples of 16, head size a
     multiple of 64, attention kernel available too)."""
-    return available(dtype, device, head_dim) and hidden % 16 == 0 and intermediate % 16 == 0
+    return available(dtype, device, head_dim, group) and hidden % 16 == 0 and intermediate % 16 == 0
 
 
 def _check(ok: bool, what: str) -> None:

@@ -1,6 +1,7 @@
-/* Prompt attention over paged KV for bf16 on x86 CPUs with AVX512-BF16 (ragcache).
+/* Attention over paged KV for bf16 on x86 CPUs with AVX512-BF16 (ragcache): one call per layer
+ * for every sequence of a forward step (rc_paged_attention).
  *
- * Computes, for T new queries at absolute positions P .. P+T-1 (GQA: query head hq reads KV head
+ * Prompt tokens (attend_item) compute, for T new queries at absolute positions P .. P+T-1 (GQA: query head hq reads KV head
  * hq / g), causal attention over context slots[0 .. P+T-1] read straight from the KV arena (no
  * gather, no concatenation): out[t, hq] = softmax(scale * q[t, hq] . K[0..P+t]^T) V[0..P+t].
  *
@@ -15,7 +16,10 @@
  * prompt's attention output is the same whether its prefix came from the cache (small T, large P)
  * or was computed in the same call (P = 0): the reason this kernel exists (bf16 cache exactness).
  *
- * Threads: OpenMP over (KV head, query block); linked against the libgomp that torch has already
+ * Generated tokens (decode_item) read the arena without packing and keep float32 probabilities;
+ * they never serve a prompt token, so the prompt exactness above is unaffected.
+ *
+ * Threads: OpenMP over (sequence, KV head, query block); linked against the libgomp that torch has already
  * loaded, so it shares torch's thread pool.
  */
 #include <immintrin.h>
@@ -34,7 +38,7 @@ typedef uint16_t bf16_t;
 int rc_supported(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512bf16");
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
 }
 
 __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl")))
