@@ -15,6 +15,9 @@ prefill = ``first_token_ts - scheduled_ts``, decode = ``(last_token_ts - first_t
 * ``{"op": "decode", "prompts": [[...], ...], "steps": N}``: the prompts are served once (untimed,
   cached), then timed together with ``max_tokens=1`` and with ``max_tokens=N+1`` (``ignore_eos``);
   step = difference / N.
+* ``{"op": "trace", "prompts": [[...], ...]}``: the prompts served one at a time in order, each
+  with ``max_tokens=1`` and timed (prefix caching on, so later prompts reuse earlier ones' blocks);
+  per prompt: wall time and cached tokens.
 * ``{"op": "quit"}``.
 """
 
@@ -85,6 +88,13 @@ def main() -> None:
                 wn, on = run(cmd["prompts"], n + 1)
                 answer({"wall_s": (wn - w1) / n, "wall_1_s": w1, "wall_n_s": wn, **core(on, n),
                         "first": core(o1)})
+            elif cmd["op"] == "trace":
+                walls, cached = [], []
+                for ids in cmd["prompts"]:
+                    wall, outs = run([ids], 1)
+                    walls.append(wall)
+                    cached.append(int(outs[0].num_cached_tokens or 0))
+                answer({"wall_s": walls, "cached_tokens": cached})
             else:
                 answer({"error": f"unknown op {cmd['op']!r}"})
         except Exception as exc:  # report and go on

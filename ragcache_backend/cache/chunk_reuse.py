@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True, frozen=True)
@@ -164,3 +164,202 @@ def eviction_victim(frequencies: Sequence[float]) -> int:
     if not frequencies:
         raise ValueError("eviction_victim needs at least one variant")
     return min(range(len(frequencies)), key=lambda i: (frequencies[i], i))
+
+
+# ---- which tokens of a reused chunk to recompute ----------------------------------------------------
+
+@dataclass(slots=True, frozen=True)
+class RecomputeRule:
+    """How many and which tokens of a reused chunk are recomputed.
+
+    Attributes:
+        kind: ``cfo``: Cache-Craft, ``ceil(CFO |C|)`` tokens by inter-attention (eq. 12-14);
+            ``all``: every token (the output then equals full recomputation);
+            ``none``: no token, only the RoPE re-rotation (full reuse);
+            ``leading``: the first ``leading`` tokens of every reused chunk (EPIC-style);
+            ``share``: a fixed ``share`` of tokens by inter-attention.
+        alpha: CFO's scale (``cfo``).
+        share: the fixed share (``share``), [0, 1].
+        leading: tokens (``leading``).
+        guard: the quality guard's threshold, or None for no guard: a reused chunk whose recomputed
+            tokens' K/V moved by more than this (relative L2, averaged over its recomputed tokens
+            and the layers) is recomputed in full before the first token is sampled.
+    """
+
+    kind: str = "cfo"
+    alpha: float = 1.0
+    share: float = 0.15
+    leading: int = 32
+    guard: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("cfo", "all", "none", "leading", "share"):
+            raise ValueError(f"unknown recompute rule {self.kind!r}")
+        if self.alpha < 0 or not 0 <= self.share <= 1 or self.leading < 0 or (self.guard is not None and self.guard <= 0):
+            raise ValueError(f"bad recompute rule {self}")
+
+
+def choose_with_rule(variants: Sequence[VariantStats], new_prefix: Sequence[str], rule: RecomputeRule) -> VariantChoice:
+    """The variant with the lowest CFO (§3.1) and the tokens ``rule`` recomputes for it; ``cfo`` in
+    the result is the share of the chunk's tokens recomputed.
+
+    Raises:
+        ValueError: as :func:`choose_variant`.
+    """
+    choice = choose_variant(variants, new_prefix, rule.alpha)
+    stats, n = choice.stats, choice.stats.length
+    if rule.kind == "cfo":
+        return choice
+    if rule.kind == "all":
+        picks = tuple(range(n))
+    elif rule.kind == "none":
+        picks = ()
+    elif rule.kind == "leading":
+        picks = tuple(range(min(n, rule.leading)))
+    else:
+        picks = tokens_to_recompute(stats, recompute_count(rule.share, n))
+    return VariantChoice(stats, len(picks) / n, picks)
+
+
+# ---- variants as the cache keeps them -------------------------------------------------------------
+
+SINK_TOKENS = 4
+"""Tokens at the very start of every prompt left out of inter-attention. They are the same template
+tokens at the same positions in every prompt (the model's attention sink), so attention to them is
+the same whatever context a chunk is reused in; counted as context it would dominate ``a`` and
+``beta`` and say nothing about reuse."""
+
+
+@dataclass(slots=True)
+class VariantInfo:
+    """What the cache keeps beside a chunk variant's KV (Cache-Craft §3.3's metadata store).
+
+    Attributes:
+        stats: the attention sums recorded when it was computed.
+        start: position of the chunk's first token in the prompt it was computed in, in tokens
+            (its keys carry RoPE for positions ``start ..``; reuse at ``p`` re-rotates by ``p - start``).
+        fingerprint: the model and dtype it was computed under; a variant is never served to another.
+        reuse_score: ``f_r`` (§3.3), raised by ``1 / CFO`` on every reuse.
+    """
+
+    stats: VariantStats
+    start: int
+    fingerprint: str
+    reuse_score: float = 0.0
+
+
+def context_keys(keys: Sequence[str]) -> tuple[str, ...]:
+    """Segment keys made unique within one prompt: a key's second occurrence becomes ``key#2``
+    and so on (the same document twice in a prompt is two different contexts)."""
+    seen: dict[str, int] = {}
+    out = []
+    for key in keys:
+        seen[key] = seen.get(key, 0) + 1
+        out.append(key if seen[key] == 1 else f"{key}#{seen[key]}")
+    return tuple(out)
+
+
+def stats_from_mass(chunk: str, mass: Sequence[Sequence[float]], own: int, keys: Sequence[str],
+                    lengths: Sequence[int], skip: int = 1) -> VariantStats:
+    """A variant's statistics from the attention mass its tokens gave each context segment.
+
+    Args:
+        chunk: the chunk's id.
+        mass: per token of the chunk, per context segment: attention mass (averaged over heads and
+            layers), from the runner.
+        own: index of the chunk's own segment; segments ``skip .. own - 1`` are its prefix.
+        keys: ids of all context segments (``len >= own + 1``); ``keys[skip:own]`` become the prefix.
+        lengths: token counts of all context segments.
+        skip: leading segments left out of inter-attention (the attention sink).
+
+    Returns:
+        ``VariantStats`` with ``inter[j]`` = total mass to prefix segment ``j`` (eq. 3), ``intra``
+        = mass to itself (eq. 4), ``token_inter[t]`` = token ``t``'s mass to the prefix (eq. 14).
+
+    Raises:
+        ValueError: inconsistent shapes, or (via ``VariantStats``) a chunk that gave itself no attention.
+    """
+    if not mass or own < skip or own >= len(keys) or len(keys) != len(lengths) or any(len(r) != len(keys) for r in mass):
+        raise ValueError(f"stats_from_mass: {len(mass)} rows over {len(keys)} segments, own {own}, skip {skip}")
+    prefix = range(skip, own)
+    inter = tuple(sum(r[j] for r in mass) for j in prefix)
+    return VariantStats(
+        chunk=chunk, length=len(mass), prefix=tuple(keys[j] for j in prefix),
+        prefix_lengths=tuple(lengths[j] for j in prefix), inter=inter,
+        intra=max(sum(r[own] for r in mass), 1e-12),
+        token_inter=tuple(sum(r[j] for j in prefix) for r in mass),
+    )
+
+
+# ---- focused chunks (Algorithm 1) and preloading depth (eq. 16) -----------------------------------
+
+def focused_set(cumulative: Sequence[float]) -> frozenset[int]:
+    """One layer of Algorithm 1 (lines 4-9): split chunks by their cumulative question attention
+    at the largest jump of the entropy of the normalised gaps; returns the indices of the high
+    group. With fewer than 3 chunks, or no gap at all, every chunk is focused."""
+    k = len(cumulative)
+    if k < 3:
+        return frozenset(range(k))
+    order = sorted(range(k), key=lambda i: (-cumulative[i], i))
+    values = [cumulative[i] for i in order]
+    diff = [values[i] - values[i + 1] for i in range(k - 1)]
+    total = sum(diff)
+    if total <= 0:
+        return frozenset(range(k))
+    p = [d / total for d in diff]
+    h, acc = [], 0.0
+    for pi in p:
+        acc -= pi * math.log(pi) if pi > 0 else 0.0
+        h.append(acc)
+    jumps = [h[i + 1] - h[i] for i in range(k - 2)]
+    cut = max(range(k - 2), key=lambda i: (jumps[i], -i)) + 1  # i* (1-based count of chunks kept)
+    return frozenset(order[:cut])
+
+
+@dataclass(slots=True)
+class FocusTracker:
+    """Algorithm 1 across layers: feed each layer's question-to-chunk attention; once the focused
+    set is the same for ``window`` consecutive layers it is final (``focused``, ``layer``).
+
+    Attributes:
+        window: ``w``, layers the set must stay unchanged (>= 1).
+        cumulative: ``cinter_i`` so far.
+        history: the focused set after each layer fed.
+        focused: the final set, once decided; None before.
+        layer: ``L*``, the number of layers fed when it was decided.
+    """
+
+    window: int
+    cumulative: list[float] = field(default_factory=list)
+    history: list[frozenset[int]] = field(default_factory=list)
+    focused: frozenset[int] | None = None
+    layer: int = 0
+
+    def feed(self, inter: Sequence[float]) -> frozenset[int] | None:
+        """Add one layer's ``inter_l(C_i, U)``; returns the final set when it is decided now."""
+        if self.focused is not None:
+            return None
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
+        if not self.cumulative:
+            self.cumulative = [0.0] * len(inter)
+        if len(inter) != len(self.cumulative):
+            raise ValueError(f"{len(inter)} chunk scores, expected {len(self.cumulative)}")
+        self.cumulative = [c + x for c, x in zip(self.cumulative, inter)]
+        self.history.append(focused_set(self.cumulative))
+        if len(self.history) >= self.window and len(set(self.history[-self.window:])) == 1:
+            self.focused, self.layer = self.history[-1], len(self.history)
+            return self.focused
+        return None
+
+
+def preload_depth(num_layers: int, t_prefill: float, t_load: float) -> int:
+    """Layers of chunk KV to load ahead (eq. 16, Alg. 2 line 1):
+    ``max(1, (L - 1)(1 - T_prefill / T_load) + 1)``, rounded up, at most ``L``.
+
+    Raises:
+        ValueError: ``num_layers < 1`` or a time that is not positive.
+    """
+    if num_layers < 1 or t_prefill <= 0 or t_load <= 0:
+        raise ValueError(f"preload_depth: need L >= 1 and positive times, got {num_layers}, {t_prefill}, {t_load}")
+    return min(num_layers, max(1, math.ceil((num_layers - 1) * (1 - t_prefill / t_load) + 1 - 1e-9)))

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import NewType
 
-from ragcache_backend.errors import InvalidRequestError
+from ragcache_backend.cache.chunk_reuse import VariantInfo
 from ragcache_backend.cache.policy import NodeStats
+from ragcache_backend.errors import InvalidRequestError
 
 __all__ = ["TierName", "SegmentKey", "Node", "KnowledgeTree"]
 
@@ -54,6 +55,11 @@ class Node:
         last_access: logical access counter at the last reference (0 = never referenced).
         priority: replacement priority per tier the node is resident in (eq. 1).
         serial: creation order, a deterministic tie-breaker.
+        variant: set when the node's KV may also serve its segment at other positions and after
+            other prefixes (a chunk variant, Cache-Craft §3.3): its recorded statistics, origin
+            position and reuse score. A *detached* variant (computed after reused, approximate
+            KV) hangs from the root under a variant key that no prompt segment has, so exact
+            prefix matching never reaches it.
     """
 
     key: SegmentKey | None
@@ -69,6 +75,7 @@ class Node:
     last_access: int = 0
     priority: dict[TierName, float] = field(default_factory=dict)
     serial: int = 0
+    variant: VariantInfo | None = None
 
     @property
     def is_root(self) -> bool:

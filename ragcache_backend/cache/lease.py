@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ragcache_backend.cache.knowledge_tree import Node, SegmentKey
 
-__all__ = ["Lease", "PendingSegment", "SegmentSpec"]
+__all__ = ["ChunkLease", "ChunkPiece", "ChunkSpec", "Lease", "PendingSegment", "SegmentSpec", "VariantUse"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -72,3 +72,98 @@ class Lease:
     def pending_tokens(self) -> int:
         """Lead tokens this request computes."""
         return sum(p.spec.num_tokens for p in self.pending)
+
+
+# ---- chunk-cache mode (Cache-Craft §3) ------------------------------------------------------------
+
+@dataclass(slots=True, frozen=True)
+class ChunkSpec:
+    """A prompt segment as chunk-mode admission sees it.
+
+    Attributes:
+        key: content hash of its token ids.
+        num_tokens: length in tokens, >= 1.
+        chunk: True for a document: reusable at any position from a cached variant, and recorded
+            as a variant when computed.
+    """
+
+    key: SegmentKey
+    num_tokens: int
+    chunk: bool
+
+
+@dataclass(slots=True)
+class VariantUse:
+    """A cached variant serving one chunk of a request (Cache-Craft §3.1-3.2).
+
+    Attributes:
+        node: the variant (locked and on device until the request commits or finishes).
+        cfo: its cache fix overhead for this request, the share of tokens recomputed, [0, 1].
+        recompute: offsets (within the chunk) of the tokens to recompute, ascending.
+        delta: new position minus the variant's origin position, in tokens (RoPE re-rotation).
+    """
+
+    node: Node
+    cfo: float
+    recompute: tuple[int, ...]
+    delta: int
+
+
+@dataclass(slots=True)
+class ChunkPiece:
+    """One segment of a chunk-mode request past its exact prefix.
+
+    Attributes:
+        spec: the segment.
+        start: position of its first token in the prompt.
+        context: the ids of the segments before it (``context_keys``: unique within the prompt).
+        blocks: where its KV is written (request-owned until ``commit`` hands them to a node).
+        use: the variant it is served from, or None: computed in full.
+        node: after ``commit``: the node that owns its KV (tree node or detached variant), else None.
+    """
+
+    spec: ChunkSpec
+    start: int
+    context: tuple[str, ...]
+    blocks: list[int]
+    use: VariantUse | None = None
+    node: Node | None = None
+
+
+@dataclass(slots=True)
+class ChunkLease:
+    """A chunk-mode request's hold on the cache: an exact prefix from the knowledge tree, then
+    every other segment in request-owned blocks, some filled from cached variants.
+
+    Attributes:
+        prefix: locked tree nodes served exactly (RAGCache §5.1), in prompt order.
+        pieces: the remaining lead segments, in prompt order.
+        tail_blocks: blocks for the prompt's rest and the generated tokens.
+        sources: the variant nodes ``pieces`` copy from (locked until commit or finish).
+        device_hits, host_hits: prefix nodes and variants found on device / swapped in.
+        committed, released: as :class:`Lease`.
+    """
+
+    prefix: list[Node]
+    pieces: list[ChunkPiece]
+    tail_blocks: list[int]
+    sources: list[Node]
+    device_hits: int = 0
+    host_hits: int = 0
+    committed: bool = False
+    released: bool = False
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served exactly from the tree."""
+        return sum(n.num_tokens for n in self.prefix)
+
+    @property
+    def reused_tokens(self) -> int:
+        """Tokens served from chunk variants without recomputation (approximate hits)."""
+        return sum(p.spec.num_tokens - len(p.use.recompute) for p in self.pieces if p.use is not None)
+
+    @property
+    def recomputed_tokens(self) -> int:
+        """Tokens of reused chunks recomputed over the new context."""
+        return sum(len(p.use.recompute) for p in self.pieces if p.use is not None)

@@ -21,6 +21,15 @@ policy (:mod:`ragcache_backend.cache.policy`, PGDSF by default) with one logical
 This module never touches tensors: a :class:`KVMover` supplied by the runner copies KV between
 tiers. Not thread-safe by design: callers serialize access (one scheduler thread).
 
+Chunk-cache mode (Cache-Craft §3) uses the same tiers and budgets: a chunk *variant* is a node with
+:class:`~ragcache_backend.cache.chunk_reuse.VariantInfo` (a tree node computed in chunk mode, or a
+*detached* node under the root for a chunk computed after approximate context). ``admit_chunks``
+serves a request's exact prefix from the tree and picks, for each later document, the variant with
+the lowest CFO; ``commit_chunks`` inserts what was computed exactly as tree nodes and the other
+fresh chunks as detached variants; ``finish`` releases either kind of lease. Variants are capped
+per chunk (M) and in total (N x M), evicting the lowest reuse score ``f_r`` (§3.3); memory pressure
+evicts them like any node, by the tier's policy.
+
 A request uses three calls (the engine, the policy replay and the tests all go through them):
 ``admit`` (match, lock, swap in, allocate; ``None`` when the arena has no room *now*) ->
 prefill -> ``commit`` (insert the computed segments, Alg. 1 UPDATE_NODE) -> ``finish`` (unlock,
@@ -31,6 +40,7 @@ they are made of (``match``, ``acquire``, ``allocate``, ``insert``, ``record_req
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import time
 from collections import Counter
@@ -39,9 +49,10 @@ from dataclasses import dataclass
 from typing import Protocol, TypeAlias
 
 from ragcache_backend.cache.blocks import BlockAllocator, blocks_for
-from ragcache_backend.errors import CacheBudgetError, InvalidRequestError
+from ragcache_backend.cache.chunk_reuse import RecomputeRule, VariantInfo, VariantStats, choose_with_rule, context_keys
 from ragcache_backend.cache.knowledge_tree import KnowledgeTree, Node, SegmentKey, TierName
-from ragcache_backend.cache.lease import Lease, PendingSegment, SegmentSpec
+from ragcache_backend.cache.lease import ChunkLease, ChunkPiece, ChunkSpec, Lease, PendingSegment, SegmentSpec, VariantUse
+from ragcache_backend.errors import CacheBudgetError, InvalidRequestError
 from ragcache_backend.cache.policy import get_policy
 from ragcache_backend.cache.profile import PrefillProfile
 
@@ -107,6 +118,9 @@ class CacheStats:
     dropped_nodes: int = 0  # removed from the cache because the host could not take them
     swap_ins: int = 0  # host -> device copies
     copy_s: float = 0.0  # seconds spent in KV copies between tiers (swap out + swap in)
+    variant_hits: int = 0  # chunks served from a cached variant (approximate hits)
+    variants_added: int = 0  # chunk variants recorded (tree nodes and detached)
+    variant_evictions: int = 0  # variants dropped by the per-chunk or total cap (lowest f_r)
 
 
 class TieredCache:
@@ -156,6 +170,10 @@ class TieredCache:
         self._request_blocks: set[int] = set()
         self._locked: set[Node] = set()  # nodes with lock_ref > 0
         self._heaps: dict[TierName, list[tuple[float, int, int, Node]]] = {DEVICE: [], HOST: []}
+        self._variants: dict[SegmentKey, list[Node]] = {}  # chunk key -> variant nodes (stale ones pruned lazily)
+        self.variant_fingerprint = ""
+        self.variants_per_chunk = 4
+        self.max_variants = 1024
 
     # ----------------------------------------------------------------- read-only views
     @property
@@ -253,9 +271,12 @@ class TieredCache:
             computed = [False] * lease.reused + [True] * (len(lease.path) - lease.reused)
             self.record_request(lease.path, computed, alpha, beta)
 
-    def finish(self, lease: Lease) -> None:
+    def finish(self, lease: Lease | ChunkLease) -> None:
         """Unlock the lease's path and free the blocks it owns; idempotent (safe in ``finally``)."""
         if lease.released:
+            return
+        if isinstance(lease, ChunkLease):
+            self._finish_chunks(lease)
             return
         lease.released = True
         path, lease.path = lease.path, []
@@ -265,6 +286,272 @@ class TieredCache:
             self.release(path)
         for p in pending:
             self.free(p.blocks)
+        if tail:
+            self.free(tail)
+
+    # ----------------------------------------------------------------- chunk-cache mode (Cache-Craft §3)
+    def configure_variants(self, *, fingerprint: str, per_chunk: int = 4, total: int = 1024) -> None:
+        """Set the model fingerprint variants are recorded and served under, and the variant store's
+        caps: ``per_chunk`` variants of one chunk (M) and ``total`` variants (N x M), §3.3.
+
+        Raises:
+            InvalidRequestError: a cap below 1.
+        """
+        if per_chunk < 1 or total < 1:
+            raise InvalidRequestError(f"variant caps must be >= 1, got {per_chunk} per chunk, {total} in total")
+        self.variant_fingerprint, self.variants_per_chunk, self.max_variants = fingerprint, per_chunk, total
+
+    def variants(self, chunk: SegmentKey) -> list[Node]:
+        """Resident variants of ``chunk`` recorded under this cache's fingerprint (a variant of another
+        model or dtype is never served), oldest first."""
+        live = [n for n in self._variants.get(chunk, ()) if n.variant is not None and n.resident and n.parent is not None]
+        if live:
+            self._variants[chunk] = live
+        else:
+            self._variants.pop(chunk, None)
+        return [n for n in live if n.variant.fingerprint == self.variant_fingerprint]
+
+    @property
+    def num_variants(self) -> int:
+        """Resident chunk variants (all fingerprints)."""
+        return sum(len(self.variants_any(k)) for k in list(self._variants))
+
+    def variants_any(self, chunk: SegmentKey) -> list[Node]:
+        """Resident variants of ``chunk`` whatever their fingerprint."""
+        self.variants(chunk)
+        return list(self._variants.get(chunk, ()))
+
+    def add_variant(self, node: Node, info: VariantInfo) -> None:
+        """Record ``node`` (in the tree, resident) as a variant of ``info.stats.chunk``, then apply the
+        caps (the new variant itself is never the one evicted).
+
+        Raises:
+            InvalidRequestError: the node is not a resident node of the tree.
+        """
+        if node.is_root or not node.resident or not self._tree.contains(node):
+            raise InvalidRequestError(f"{node!r} is not a resident node of the knowledge tree")
+        fresh = node.variant is None
+        node.variant = info
+        if fresh:
+            self._variants.setdefault(SegmentKey(info.stats.chunk), []).append(node)
+            self.stats.variants_added += 1
+        self._enforce_variant_caps(node)
+
+    def admit_chunks(self, specs: Sequence[ChunkSpec], tail_tokens: int, *, exact_upto: int,
+                     rule: RecomputeRule, fresh_above: float = 1.0) -> ChunkLease | None:
+        """Admit a chunk-mode request (Cache-Craft §3.4.1's recomputation planning).
+
+        The first ``exact_upto`` segments may be served exactly from the knowledge tree (the longest
+        resident prefix); every later segment gets its own blocks, and each later document whose
+        chunk has variants is served from the one with the lowest CFO for this context (eq. 12),
+        locked and brought to device to be copied from.
+
+        Args:
+            specs: the request's lead segments, in prompt order.
+            tail_tokens: tokens past the lead the request writes (prompt rest + ``max_tokens``).
+            exact_upto: how many leading segments the tree may serve (``auto``: all; ``chunk``: up
+                to the first document).
+            rule: which tokens of a reused chunk are recomputed (Cache-Craft's CFO by default).
+            fresh_above: a chunk whose best variant's CFO is above this is computed in full instead
+                (and recorded as a new variant for this context, §3.3): fixing most of a chunk costs
+                nearly what computing it does.
+
+        Returns:
+            a :class:`ChunkLease`, or ``None`` when the arena has no room now (nothing is held).
+
+        Raises:
+            CacheBudgetError: the request can never fit in the arena.
+            InvalidRequestError: a segment of fewer than one token, negative ``tail_tokens`` or ``alpha``.
+        """
+        if tail_tokens < 0 or fresh_above < 0 or any(s.num_tokens < 1 for s in specs):
+            raise InvalidRequestError(f"bad request shape: tail {tail_tokens}, fresh_above {fresh_above}, "
+                                      f"lead {[s.num_tokens for s in specs]}")
+        need = sum(blocks_for(s.num_tokens, self.block_size) for s in specs) + blocks_for(tail_tokens, self.block_size)
+        if need > self._alloc.num_blocks:
+            raise CacheBudgetError(
+                f"the request needs {need} device blocks ({need * self.block_size} tokens of KV: prompt + max_tokens) "
+                f"but the device arena holds only {self._alloc.num_blocks}; raise the device budget or shorten it")
+        acq = self.acquire(self.match([s.key for s in specs[: max(0, exact_upto)]]))
+        prefix = list(acq.nodes)
+        keys = context_keys([s.key for s in specs])
+        start = acq.cached_tokens
+        pieces, sources = [], []
+        device_hits, host_hits = acq.device_hits, acq.host_hits
+        for i in range(len(prefix), len(specs)):
+            spec = specs[i]
+            use = None
+            if spec.chunk and keys[i] == spec.key:  # a document's first occurrence in the prompt
+                use = self._plan_variant(spec, keys[:i], start, rule, prefix + sources)
+            if use is not None and use.cfo > fresh_above:
+                use = None
+            if use is not None:
+                on_device = use.node.in_device
+                if self._acquire_node(use.node):
+                    sources.append(use.node)
+                    device_hits += on_device
+                    host_hits += not on_device
+                else:
+                    use = None
+            pieces.append(ChunkPiece(spec, start, keys[:i], [], use))
+            start += spec.num_tokens
+        rest = sum(blocks_for(p.spec.num_tokens, self.block_size) for p in pieces) + blocks_for(tail_tokens, self.block_size)
+        if not self._make_device_room(rest):
+            self.release(prefix + sources)
+            return None
+        for piece in pieces:
+            piece.blocks = self.allocate(blocks_for(piece.spec.num_tokens, self.block_size))
+        self.stats.device_hits += device_hits - acq.device_hits
+        self.stats.host_hits += host_hits - acq.host_hits
+        self.stats.variant_hits += len(sources)
+        return ChunkLease(prefix=prefix, pieces=pieces, tail_blocks=self.allocate(blocks_for(tail_tokens, self.block_size)),
+                          sources=sources, device_hits=device_hits, host_hits=host_hits)
+
+    def _plan_variant(self, spec: ChunkSpec, context: tuple[str, ...], start: int, rule: RecomputeRule,
+                      held: list[Node]) -> VariantUse | None:
+        """The lowest-CFO usable variant of ``spec``'s chunk for ``context`` (not yet locked), or None."""
+        cands = [n for n in self.variants(spec.key)
+                 if n.num_tokens == spec.num_tokens and n not in held
+                 and (n.in_device or n.parent is None or n.parent.is_root or n.parent.in_device)]
+        if not cands:
+            return None
+        choice = choose_with_rule([n.variant.stats for n in cands], context, rule)
+        node = next(n for n in cands if n.variant.stats is choice.stats)
+        return VariantUse(node, choice.cfo, choice.recompute, start - node.variant.start)
+
+    def _acquire_node(self, node: Node) -> bool:
+        """Lock ``node`` and make sure it is on device (its parent already is); False if no room."""
+        self._lock(node)
+        if node.in_device:
+            return True
+        need = blocks_for(node.num_tokens, self.block_size)
+        if not self._make_device_room(need):
+            self._unlock(node)
+            return False
+        blocks = self._alloc.allocate(need)
+        t0 = time.perf_counter()
+        try:
+            self._mover.swap_in(node.host_kv, blocks)
+        except BaseException:
+            self._alloc.free(blocks)
+            self._unlock(node)
+            raise
+        finally:
+            self.stats.copy_s += time.perf_counter() - t0
+        node.device_blocks = blocks
+        self.stats.swap_ins += 1
+        self._set_priority(node, DEVICE)
+        return True
+
+    def commit_chunks(self, lease: ChunkLease, rest_tokens: int, stats: Sequence[VariantStats | None]) -> None:
+        """After a successful prefill: segments computed over exact context become tree nodes, fresh
+        documents computed after reused (approximate) KV become detached variants, each with its
+        recorded statistics; reused variants gain ``f_r += 1 / CFO``; the copy sources are unlocked.
+
+        Args:
+            lease: from :meth:`admit_chunks`, not yet committed.
+            rest_tokens: prompt tokens computed past the lead.
+            stats: per piece, the statistics recorded while it was computed (None: not a variant).
+
+        Raises:
+            InvalidRequestError: already committed or released, or ``stats`` of the wrong length.
+        """
+        if lease.committed or lease.released:
+            raise InvalidRequestError("a lease is committed once, before it is released")
+        if len(stats) != len(lease.pieces):
+            raise InvalidRequestError(f"{len(stats)} statistics for {len(lease.pieces)} pieces")
+        exact = True
+        parent = lease.prefix[-1] if lease.prefix else None
+        touched = list(lease.prefix)
+        computed = [False] * len(touched)
+        added: list[tuple[Node, VariantInfo]] = []
+        for piece, st in zip(lease.pieces, stats):
+            if piece.use is not None:
+                exact = False
+                piece.use.node.variant.reuse_score += 1.0 / max(piece.use.cfo, 1e-3)
+                touched.append(piece.use.node)
+                computed.append(False)
+                continue
+            first = piece.spec.chunk and piece.spec.key not in piece.context  # a repeat in the prompt is no variant
+            info = VariantInfo(st, piece.start, self.variant_fingerprint) if st is not None and first else None
+            if exact:
+                node = self.insert(parent, piece.spec.key, piece.spec.num_tokens, piece.blocks)
+                parent = node
+            elif info is not None:
+                node = self._insert_detached(piece)
+            else:
+                continue
+            if node is None:
+                continue
+            piece.node, piece.blocks = node, list(node.device_blocks or ())
+            touched.append(node)
+            computed.append(True)
+            if info is not None:
+                added.append((node, info))
+        sources, lease.sources = lease.sources, []
+        self.release(sources)
+        lease.committed = True
+        beta = sum(p.spec.num_tokens if p.use is None else len(p.use.recompute) for p in lease.pieces) + rest_tokens
+        if touched:
+            self.record_request(touched, computed, lease.cached_tokens + lease.reused_tokens, max(beta, 1))
+        for node, info in added:
+            self.add_variant(node, info)
+
+    def _insert_detached(self, piece: ChunkPiece) -> Node | None:
+        """A fresh chunk computed after approximate context becomes a root child under a variant
+        key (never a prompt segment's key); None when that variant already exists (the request
+        keeps its blocks)."""
+        digest = hashlib.sha256(b"ragcache-variant-v1")
+        digest.update("|".join((piece.spec.key, *piece.context)).encode())
+        key = SegmentKey("variant:" + digest.hexdigest()[:32])
+        if key in self._tree.root.children:
+            return None
+        ids = list(piece.blocks)
+        node = self._tree.add_child(self._tree.root, key, piece.spec.num_tokens)
+        self._lock(node)
+        self._request_blocks.difference_update(ids)
+        node.device_blocks = ids
+        self._set_priority(node, DEVICE)
+        return node
+
+    def _enforce_variant_caps(self, keep: Node) -> None:
+        """Evict the lowest-``f_r`` unlocked leaf variants until the chunk of ``keep`` has at most M
+        and the store at most N x M (§3.3); ``keep`` (just added) is never chosen."""
+        def evictable(nodes):
+            return [n for n in nodes if n is not keep and n.lock_ref == 0 and not n.children]
+
+        chunk = SegmentKey(keep.variant.stats.chunk)
+        while len(self.variants_any(chunk)) > self.variants_per_chunk:
+            victims = evictable(self.variants_any(chunk))
+            if not victims:
+                break
+            self._drop_variant(min(victims, key=lambda n: (n.variant.reuse_score, n.serial)))
+        while self.num_variants > self.max_variants:
+            victims = evictable(n for k in list(self._variants) for n in self.variants_any(k))
+            if not victims:
+                break
+            self._drop_variant(min(victims, key=lambda n: (n.variant.reuse_score, n.serial)))
+
+    def _drop_variant(self, node: Node) -> None:
+        parent = node.parent
+        for m in self._tree.remove(node):
+            self._free_kv(m)
+        self.stats.variant_evictions += 1
+        if parent is not None and not parent.is_root:
+            self._refresh(parent)
+
+    def _finish_chunks(self, lease: ChunkLease) -> None:
+        lease.released = True
+        held = list(lease.prefix) + list(lease.sources)
+        lease.prefix, lease.sources = [], []
+        for piece in lease.pieces:
+            if piece.node is not None:
+                held.append(piece.node)
+            elif piece.blocks:
+                self.free(piece.blocks)
+            piece.node, piece.blocks = None, []
+        if held:
+            self.release(held)
+        tail, lease.tail_blocks = lease.tail_blocks, []
         if tail:
             self.free(tail)
 

@@ -20,6 +20,13 @@ thread-safe). Each :meth:`RAGCacheEngine.step` (RAGCache §5.1-5.2):
 
 Nothing is inserted into the tree before its prefill succeeded, so a failed or cancelled request
 never leaves a poisoned entry.
+
+Reuse modes (``EngineConfig.reuse``, or per request): ``exact`` serves only exact prefixes from the
+knowledge tree (answers equal those without the cache); ``chunk`` and ``auto`` also serve documents
+from chunk caches at any position (Cache-Craft §3, :mod:`ragcache_backend.engine.chunk_step`): the
+admission picks a variant per document, the prefill recomputes its most contextualised tokens, a
+quality guard recomputes in full a chunk whose KV moved too far, and the commit records new
+variants. Only exact computations ever enter the tree as prefix nodes.
 """
 
 from __future__ import annotations
@@ -41,16 +48,19 @@ from pathlib import Path
 
 import torch
 
-from ragcache_backend.cache.lease import SegmentSpec
+from ragcache_backend.cache.chunk_reuse import RecomputeRule
+from ragcache_backend.cache.lease import ChunkLease, ChunkSpec, SegmentSpec
 from ragcache_backend.cache.profile import DEFAULT_ALPHAS, DEFAULT_BETAS, PrefillProfile, measure_profile
 from ragcache_backend.cache.tiers import TieredCache
 from ragcache_backend.config import EngineConfig, ragcache_home
+from ragcache_backend.engine import chunk_step
 from ragcache_backend.engine.request import (
     FinishReason,
     GenerationResult,
     Request,
     RequestHandle,
     RequestMetrics,
+    ReuseMode,
     StreamChunk,
 )
 from ragcache_backend.engine.scheduler import Scheduler, SchedulerConfig
@@ -63,9 +73,9 @@ from ragcache_backend.errors import (
     RequestCancelledError,
 )
 from ragcache_backend.model.loader import LoadedModel, load_model
-from ragcache_backend.model.runner import ForwardInput, KVRun, ModelRunner, kv_bytes_per_token
+from ragcache_backend.model.runner import ForwardInput, KVRun, ModelRunner, StepOutput, kv_bytes_per_token
 from ragcache_backend.model.sampling import SamplingParams, sample_token
-from ragcache_backend.prompts.builder import PromptBuilder, PromptPlan, Segment, plan_prompt
+from ragcache_backend.prompts.builder import PromptBuilder, PromptPlan, Segment, SegmentKind, plan_prompt
 from ragcache_backend.prompts.detokenizer import IncrementalText
 from ragcache_backend.retrieval.documents import Document, content_id
 
@@ -182,6 +192,10 @@ class RAGCacheEngine:
             policy=cfg.policy if profile is not None or cfg.policy != "pgdsf" else "gdsf",
             profile=profile,
         )
+        self.cache.configure_variants(fingerprint=f"{self.loaded.fingerprint}/{self.loaded.dtype}",
+                                      per_chunk=cfg.chunk_variants_per_chunk, total=cfg.chunk_max_variants)
+        self.runner.sample_stat_layers(cfg.chunk_stat_layers)
+        self._rule = cfg.recompute_rule()
         self.store = store
         self.stop_ids = _stop_token_ids(self.loaded)
         self.scheduler = Scheduler(scheduler or SchedulerConfig(
@@ -230,12 +244,14 @@ class RAGCacheEngine:
         return self.loaded.name
 
     def segments_for(
-        self, question: str, documents: Sequence[DocumentLike], sampling: SamplingParams
+        self, question: str, documents: Sequence[DocumentLike], sampling: SamplingParams, *,
+        question_first: bool = False,
     ) -> tuple[list[Segment], tuple[str, ...]]:
         """Prompt segments for a RAG request, dropping trailing documents that do not fit.
 
         Documents are kept whole (their KV boundaries matter): the lowest-ranked ones are left out
-        with a warning until ``prompt + max_tokens`` fits the context window.
+        with a warning until ``prompt + max_tokens`` fits the context window. ``question_first``
+        puts the question before the documents (see :meth:`PromptBuilder.build`).
 
         Returns:
             ``(segments, dropped_document_ids)``.
@@ -245,10 +261,11 @@ class RAGCacheEngine:
             ContextWindowError: the prompt does not fit even with no document.
         """
         pairs = [_doc_text_id(d) for d in documents]
-        segments = self.prompts.build(question, pairs)
+        segments = self.prompts.build(question, pairs, question_first=question_first)
         window = self.loaded.context_window
         dropped: list[str] = []
-        while sum(len(s) for s in segments) + sampling.max_tokens > window and len(segments) > 2:
+        fixed = 3 if question_first else 2
+        while sum(len(s) for s in segments) + sampling.max_tokens > window and len(segments) > fixed:
             gone = segments.pop(-2)
             dropped.append(gone.doc_id or gone.key)
         if dropped:
@@ -283,6 +300,9 @@ class RAGCacheEngine:
         cancel: threading.Event | None = None,
         dropped: tuple[str, ...] = (),
         keep_logits: bool = False,
+        reuse: ReuseMode | None = None,
+        recompute: RecomputeRule | None = None,
+        store: bool = True,
     ) -> RequestHandle:
         """Queue an already segmented prompt on the step loop and return its handle at once.
 
@@ -297,13 +317,23 @@ class RAGCacheEngine:
             cancel: an event that cancels the request when set (checked every step).
             dropped: ids of documents left out to fit the window, reported in the result.
             keep_logits: keep the prompt's last-token logits on the handle (tests, evaluation).
+            reuse: override ``config.reuse`` for this request (``exact``, ``chunk`` or ``auto``).
+            recompute: override the chunk modes' recompute rule (``config.recompute_rule()``).
+            store: False keeps nothing this request computes in the cache (chunk modes only: an
+                evaluation runs several rules over the same cache state).
 
         Raises (at once, nothing queued):
-            InvalidRequestError: no segments. ContextWindowError. EngineClosedError.
+            InvalidRequestError: no segments, or an unknown reuse mode. ContextWindowError.
+            EngineClosedError.
         """
         sampling = sampling or SamplingParams()
         if not segments:
             raise InvalidRequestError("a prompt needs at least one segment")
+        mode = self.config.reuse if reuse is None else reuse
+        if mode not in ("exact", "chunk", "auto"):
+            raise InvalidRequestError(f"reuse must be 'exact', 'chunk' or 'auto', got {reuse!r}")
+        if not store and mode == "exact":
+            raise InvalidRequestError("store=False is only for the chunk reuse modes")
         self.check_window(segments, sampling)
         if self._closing:
             raise EngineClosedError("the engine is closed")
@@ -314,7 +344,7 @@ class RAGCacheEngine:
             rid=rid, segments=tuple(segments), plan=self.plan(segments, use_cache), sampling=sampling,
             dropped=dropped, on_text=on_text or (lambda _t: None), handle=handle,
             text=IncrementalText(self.loaded.tokenizer, sampling.stop), cancel=cancel or threading.Event(),
-            keep_logits=keep_logits,
+            keep_logits=keep_logits, reuse=mode, recompute=recompute or self._rule, store=store,
             generator=torch.Generator().manual_seed(seed) if seed is not None else None,
         )
         self._ensure_thread()
@@ -324,10 +354,10 @@ class RAGCacheEngine:
         return handle
 
     def submit(self, question: str, documents: Sequence[DocumentLike] = (), sampling: SamplingParams | None = None,
-               **kw) -> RequestHandle:
+               *, question_first: bool = False, **kw) -> RequestHandle:
         """Queue a RAG request (question + documents in retrieval order); see :meth:`submit_segments`."""
         sampling = sampling or SamplingParams()
-        segments, dropped = self.segments_for(question, documents, sampling)
+        segments, dropped = self.segments_for(question, documents, sampling, question_first=question_first)
         return self.submit_segments(segments, sampling, dropped=dropped, **kw)
 
     def cancel(self, rid: int) -> None:
@@ -336,7 +366,8 @@ class RAGCacheEngine:
 
     # ---- blocking and async clients of the loop ---------------------------------------------------
     def generate(self, question: str, documents: Sequence[DocumentLike] = (), sampling: SamplingParams | None = None,
-                 *, use_cache: bool | None = None, on_text: Callable[[str], None] | None = None) -> GenerationResult:
+                 *, use_cache: bool | None = None, on_text: Callable[[str], None] | None = None,
+                 reuse: ReuseMode | None = None) -> GenerationResult:
         """Answer ``question`` from ``documents`` (in retrieval order), reusing cached KV.
 
         Args:
@@ -345,12 +376,13 @@ class RAGCacheEngine:
             sampling: defaults to greedy with ``max_tokens=128``.
             use_cache: override ``config.enable_cache`` for this request.
             on_text: called with each final text delta as it is generated (streaming).
+            reuse: override ``config.reuse`` (``exact``, ``chunk``, ``auto``) for this request.
 
         Raises:
             EmptyQueryError, ContextWindowError, CacheBudgetError (the prompt can never fit the
-            device arena), RequestCancelledError.
+            device arena), RequestCancelledError, InvalidRequestError (unknown reuse mode).
         """
-        return self.submit(question, documents, sampling, use_cache=use_cache, on_text=on_text).result()
+        return self.submit(question, documents, sampling, use_cache=use_cache, on_text=on_text, reuse=reuse).result()
 
     def generate_segments(self, segments: Sequence[Segment], sampling: SamplingParams | None = None, **kw) -> GenerationResult:
         """Blocking form of :meth:`submit_segments` (used by the adapters)."""
@@ -438,10 +470,12 @@ class RAGCacheEngine:
                 handle.cancel()
                 await _settled(handle)
 
-    def first_token_logits(self, segments: Sequence[Segment], *, use_cache: bool | None = None) -> tuple[torch.Tensor, int]:
+    def first_token_logits(self, segments: Sequence[Segment], *, use_cache: bool | None = None,
+                           **kw) -> tuple[torch.Tensor, int]:
         """Float32 ``[vocab]`` logits of the prompt's last token and the prompt tokens reused,
-        through the normal request path (admit, prefill, commit, finish). For tests and evaluation."""
-        handle = self.submit_segments(segments, SamplingParams(max_tokens=1), use_cache=use_cache, keep_logits=True)
+        through the normal request path (admit, prefill, commit, finish). For tests and evaluation;
+        ``kw`` as :meth:`submit_segments` (``reuse``, ``recompute``, ``store``)."""
+        handle = self.submit_segments(segments, SamplingParams(max_tokens=1), use_cache=use_cache, keep_logits=True, **kw)
         result = handle.result()
         assert handle.first_logits is not None
         return handle.first_logits, result.cached_tokens
@@ -596,10 +630,10 @@ class RAGCacheEngine:
             if not admitted and not decoders:
                 self._unblock()
                 return 0
-            batch = [self._prefill_input(r) for r in admitted] + [self._decode_input(r) for r in decoders]
             t1 = time.perf_counter()
             try:
-                logits = self.runner.forward(batch)
+                batch = [self._prefill_input(r) for r in admitted] + [self._decode_input(r) for r in decoders]
+                out = self.runner.forward_step(batch)
             except Exception as exc:
                 log.warning("forward step of %d sequences failed: %r", len(batch), exc)
                 for req in admitted + decoders:
@@ -607,9 +641,10 @@ class RAGCacheEngine:
                 return 0
             self.stats.forward_s += time.perf_counter() - t1
             self.stats.steps += 1
-            for req, lg in zip(admitted, logits[: len(admitted)]):
+            logits = out.logits
+            for i, req in enumerate(admitted):
                 req.handle.metrics.batch_sizes.append(len(batch))
-                self._after_prefill(req, lg)
+                self._after_prefill(req, out, i)
             for req, lg in zip(decoders, logits[len(admitted):]):
                 if req.rid in self._live:
                     req.handle.metrics.batch_sizes.append(len(batch))
@@ -636,9 +671,12 @@ class RAGCacheEngine:
         m = req.handle.metrics
         m.admit_attempts += 1
         t0, c0 = time.perf_counter(), self.cache.stats.copy_s
+        tail = req.rest_tokens + req.sampling.max_tokens
         try:
-            lease = self.cache.admit([SegmentSpec(s.key, len(s)) for s in req.plan.lead],
-                                     req.rest_tokens + req.sampling.max_tokens)
+            if req.reuse == "exact" or not req.plan.lead:
+                lease = self.cache.admit([SegmentSpec(s.key, len(s)) for s in req.plan.lead], tail)
+            else:
+                lease = self._admit_chunks(req, tail)
         except Exception as exc:  # can never fit, or a swap-in failed
             self._fail(req, exc)
             return False
@@ -651,6 +689,15 @@ class RAGCacheEngine:
         self.scheduler.start(req.rid)
         return True
 
+    def _admit_chunks(self, req: Request, tail: int) -> ChunkLease | None:
+        lead, cfg = req.plan.lead, self.config
+        specs = [ChunkSpec(s.key, len(s), s.kind is SegmentKind.DOCUMENT) for s in lead]
+        exact_upto = len(specs)
+        if req.reuse == "chunk":  # the tree serves what precedes the first document; documents come from variants
+            exact_upto = next((i for i, s in enumerate(specs) if s.chunk), len(specs))
+        return self.cache.admit_chunks(specs, tail, exact_upto=exact_upto, rule=req.recompute,
+                                       fresh_above=cfg.chunk_fresh_above)
+
     def _charge(self, m: RequestMetrics, t0: float, c0: float) -> None:
         copy = self.cache.stats.copy_s - c0
         m.kv_copy_s += copy
@@ -658,6 +705,12 @@ class RAGCacheEngine:
 
     def _prefill_input(self, req: Request) -> ForwardInput:
         lease = req.lease
+        if isinstance(lease, ChunkLease):
+            t0 = time.perf_counter()
+            chunk_step.copy_variants(lease, self.runner)
+            req.handle.metrics.kv_copy_s += time.perf_counter() - t0
+            item, req.layout = chunk_step.build_input(req.plan, lease, guard=req.recompute.guard is not None)
+            return item
         cached = tuple(KVRun(tuple(n.device_blocks or ()), 0, n.num_tokens) for n in lease.path[: lease.reused])
         target = [KVRun(tuple(p.blocks), 0, p.spec.num_tokens) for p in lease.pending]
         target.append(KVRun(tuple(lease.tail_blocks), 0, req.rest_tokens))
@@ -669,15 +722,22 @@ class RAGCacheEngine:
         lease = req.lease
         pos = req.rest_tokens + len(req.generated) - 1
         tail = tuple(lease.tail_blocks)
+        if isinstance(lease, ChunkLease):
+            ctx = chunk_step.context_runs(lease, 0)[:-1]
+            return ForwardInput((req.next_token,), ctx + (KVRun(tail, 0, pos),), (KVRun(tail, pos, 1),), decode=True)
         nodes = tuple(KVRun(tuple(n.device_blocks or ()), 0, n.num_tokens) for n in lease.path)
         return ForwardInput((req.next_token,), nodes + (KVRun(tail, 0, pos),), (KVRun(tail, pos, 1),), decode=True)
 
-    def _after_prefill(self, req: Request, logits: torch.Tensor) -> None:
+    def _after_prefill(self, req: Request, out: StepOutput, index: int) -> None:
         m = req.handle.metrics
+        logits = out.logits[index]
         try:
             t0, c0 = time.perf_counter(), self.cache.stats.copy_s
-            req.computed = req.lease.pending_tokens + req.rest_tokens
-            self.cache.commit(req.lease, req.rest_tokens)
+            if isinstance(req.lease, ChunkLease):
+                logits = self._commit_chunks(req, out, index)
+            else:
+                req.computed = req.lease.pending_tokens + req.rest_tokens
+                self.cache.commit(req.lease, req.rest_tokens)
             self._charge(m, t0, c0)
             if req.keep_logits:
                 req.handle.first_logits = logits.clone()
@@ -686,6 +746,30 @@ class RAGCacheEngine:
             return
         m.first_token = time.perf_counter()
         self._after_token(req, logits)
+
+    def _commit_chunks(self, req: Request, out: StepOutput, index: int) -> torch.Tensor:
+        """Guard, statistics and commit of a chunk-mode prefill; returns the first token's logits.
+
+        A reused chunk whose recomputed tokens moved too far (the quality guard) is recomputed in
+        full, with everything after it, in a second forward of this request alone."""
+        lease, layout = req.lease, req.layout
+        logits, attention = out.logits[index], out.attention[index]
+        deviations = chunk_step.chunk_deviations(lease, layout, out.deviation[index])
+        req.deviation = max(deviations.values(), default=0.0)
+        flagged = chunk_step.guard_flags(deviations, req.recompute.guard)
+        if flagged:
+            item, layout = chunk_step.build_input(req.plan, lease, guard=False, full=flagged)
+            again = self.runner.forward_step([item])
+            logits, attention = again.logits[0], again.attention[0]
+            for i in flagged:  # computed in full now: no longer served from a variant
+                lease.pieces[i].use = None
+            req.guarded = len(flagged)
+        req.recomputed = lease.recomputed_tokens
+        req.chunk_cached = lease.reused_tokens
+        req.computed = req.prompt_tokens - lease.cached_tokens - lease.reused_tokens
+        if req.store:
+            self.cache.commit_chunks(lease, req.rest_tokens, chunk_step.variant_stats(lease, layout, attention))
+        return logits
 
     def _after_token(self, req: Request, logits: torch.Tensor) -> None:
         try:
@@ -744,6 +828,12 @@ class RAGCacheEngine:
             documents=tuple(s.doc_id for s in req.segments if s.doc_id is not None),
             dropped_documents=req.dropped,
             model=self.model_name,
+            reuse=req.reuse,
+            chunk_cached_tokens=req.chunk_cached,
+            recomputed_tokens=req.recomputed,
+            chunk_hits=sum(p.use is not None for p in lease.pieces) if isinstance(lease, ChunkLease) else 0,
+            guarded_chunks=req.guarded,
+            chunk_deviation=req.deviation,
         )
 
     def _forget(self, req: Request) -> None:

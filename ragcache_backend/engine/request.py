@@ -16,7 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from ragcache_backend.cache.lease import Lease
+from ragcache_backend.cache.chunk_reuse import RecomputeRule
+from ragcache_backend.cache.lease import ChunkLease, Lease
 from ragcache_backend.model.sampling import SamplingParams
 from ragcache_backend.prompts.builder import PromptPlan, Segment
 from ragcache_backend.prompts.detokenizer import IncrementalText
@@ -24,9 +25,10 @@ from ragcache_backend.prompts.detokenizer import IncrementalText
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FinishReason", "GenerationResult", "Request", "RequestHandle", "RequestMetrics", "StreamChunk"]
+__all__ = ["FinishReason", "GenerationResult", "ReuseMode", "Request", "RequestHandle", "RequestMetrics", "StreamChunk"]
 
 FinishReason = Literal["stop", "length"]
+ReuseMode = Literal["exact", "chunk", "auto"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -40,12 +42,22 @@ class GenerationResult:
         ttft_s: seconds from submission to the first sampled token (queueing, admission, prefill).
         total_s: seconds from submission to the end of generation.
         prompt_tokens: tokens in the prompt.
-        cached_tokens: prompt tokens whose KV was reused from the knowledge tree.
-        computed_tokens: prompt tokens prefilled by this request (``prompt - cached``).
-        device_hits, host_hits: reused tree nodes found in each tier.
+        cached_tokens: prompt tokens whose KV was reused: from the knowledge tree (exact) and, in
+            chunk mode, from chunk variants without recomputation (``chunk_cached_tokens``).
+        computed_tokens: prompt tokens run through the model by this request (``prompt - cached``;
+            includes ``recomputed_tokens``).
+        device_hits, host_hits: reused tree nodes (and chunk variants) found in each tier.
         documents: ids of the documents in the prompt, in prompt order.
         dropped_documents: ids of retrieved documents left out to fit the context window.
         model: model name.
+        reuse: the reuse mode the request ran in (``exact``, ``chunk`` or ``auto``).
+        chunk_cached_tokens: the part of ``cached_tokens`` served from chunk variants at another
+            position or after other documents (approximate hits, Cache-Craft); 0 in exact mode.
+        recomputed_tokens: tokens of reused chunks recomputed over this prompt's context (eq. 14).
+        chunk_hits: documents served from a chunk variant.
+        guarded_chunks: reused chunks the quality guard sent back to full recomputation.
+        chunk_deviation: the quality guard's signal: the largest mean relative change of a reused
+            chunk's recomputed K/V (0.0 when nothing was recomputed or the guard was off).
     """
 
     answer: str
@@ -61,6 +73,12 @@ class GenerationResult:
     documents: tuple[str, ...]
     dropped_documents: tuple[str, ...]
     model: str
+    reuse: ReuseMode = "exact"
+    chunk_cached_tokens: int = 0
+    recomputed_tokens: int = 0
+    chunk_hits: int = 0
+    guarded_chunks: int = 0
+    chunk_deviation: float = 0.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -150,10 +168,19 @@ class Request:
         cancel: set by a caller to cancel (checked every step).
         keep_logits: keep the first token's logits on the handle (tests, evaluation).
         generator: per-request RNG for seeded sampling.
-        lease: the request's hold on the cache from admission to finish.
+        reuse: how the cache serves it (exact prefixes, chunk caches, or both).
+        recompute: which tokens of a reused chunk are recomputed (chunk modes).
+        store: keep what it computes in the cache (False: an evaluation's dry run; chunk modes).
+        lease: the request's hold on the cache from admission to finish (a ``ChunkLease`` in the
+            chunk modes).
         generated: sampled token ids so far (stop token excluded).
         next_token: the last sampled token, fed to the next decode step.
-        computed: prompt tokens this request prefilled.
+        computed: prompt tokens this request prefilled (recomputed ones included).
+        recomputed: tokens of reused chunks recomputed.
+        chunk_cached: tokens served from chunk variants without recomputation.
+        guarded: reused chunks the quality guard recomputed in full.
+        deviation: the guard's signal (see ``GenerationResult.chunk_deviation``).
+        layout: a chunk-mode prefill's :class:`~ragcache_backend.engine.chunk_step.ChunkLayout`.
     """
 
     rid: int
@@ -167,10 +194,18 @@ class Request:
     cancel: threading.Event
     keep_logits: bool = False
     generator: object | None = None
-    lease: Lease | None = None
+    reuse: ReuseMode = "exact"
+    recompute: RecomputeRule | None = None
+    store: bool = True
+    lease: Lease | ChunkLease | None = None
     generated: list[int] = field(default_factory=list)
     next_token: int | None = None
     computed: int = 0
+    recomputed: int = 0
+    chunk_cached: int = 0
+    guarded: int = 0
+    deviation: float = 0.0
+    layout: object | None = None
 
     @property
     def prompt_tokens(self) -> int:

@@ -10,6 +10,12 @@ computed once can be attended to by any later request whose path reaches it (RAG
 Several sequences run in one forward (continuous batching): the linear layers see all their new
 tokens concatenated, attention runs per sequence over its own gathered context.
 
+Chunk-cache reuse (Cache-Craft §3.2-3.4) adds three things, all plain data in and out: new tokens at
+any positions inside a context (the recomputed tokens of a reused chunk), attention statistics per
+context segment (eq. 3-4, recorded while a chunk is computed), and the deviation of recomputed KV
+from the values it replaced (the quality guard). A chunk's KV moves to a new position with
+:meth:`ModelRunner.copy_rerotated` (RoPE re-rotation by the position delta).
+
 The runner also implements :class:`ragcache_backend.cache.tiers.KVMover` (swap out to host, swap in).
 """
 
@@ -23,7 +29,16 @@ import torch
 import torch.nn.functional as F
 
 from ragcache_backend.errors import InvalidRequestError
-from ragcache_backend.model.kernels import apply_rope, attention, attention_over_prefix, attention_plan, native, rope_cos_sin
+from ragcache_backend.model.kernels import (
+    apply_rope,
+    attention,
+    attention_over_prefix,
+    attention_plan,
+    native,
+    position_mask,
+    rope_cos_sin,
+    segment_attention_mass,
+)
 from ragcache_backend.model.kernels.linear import Linear, pack_linear
 from ragcache_backend.model.loader import LoadedModel
 
@@ -51,16 +66,82 @@ class ForwardInput:
     Attributes:
         new_tokens: token ids to compute, ``T >= 1``.
         cached: context already in the arena, in order (prefix documents, earlier decode steps).
-        target: where the new tokens' KV is written, in order; lengths sum to ``T``.
+            With ``positions``: the *whole* context in position order, the new tokens' slots included.
+        target: where the new tokens' KV is written, in order; lengths sum to ``T``. Empty with
+            ``positions``.
         decode: the one new token is a generated token (decode kernel), not a prompt token
             (prompt tokens always take the prefill kernels, for bf16 exactness).
+        positions: ascending positions of the new tokens inside the context (``< S``), or None for
+            the ``T`` positions after ``cached``. Token ``i`` is written at the slot of position
+            ``positions[i]`` and attends to positions ``0 .. positions[i]`` (chunk-cache
+            recomputation: the other positions hold reused KV).
+        stat_segments: lengths (tokens) of consecutive context segments, summing to the context
+            length, or None. When given, every new token's attention mass to each segment is
+            recorded (Cache-Craft eq. 3-4), averaged over heads and the runner's ``stat_layers``
+            (:attr:`StepOutput.attention`). At most 64 segments.
+        guard: measure, for every new token, how far its new K/V moved from the values its slot
+            held before the write (:attr:`StepOutput.deviation`; the quality guard's signal).
     """
 
     new_tokens: tuple[int, ...]
     cached: tuple[KVRun, ...]
     target: tuple[KVRun, ...]
     decode: bool = False
+    positions: tuple[int, ...] | None = None
+    stat_segments: tuple[int, ...] | None = None
+    guard: bool = False
 
+
+@dataclass(slots=True, frozen=True)
+class SegmentAttention:
+    """Attention mass of a sequence's new tokens to each context segment (Cache-Craft eq. 3-4).
+
+    Attributes:
+        mass: per new token (in ``new_tokens`` order), per segment of ``stat_segments``: the
+            softmax weight it gave that segment's keys, averaged over query heads and layers; each
+            row sums to 1 (float32 arithmetic).
+    """
+
+    mass: tuple[tuple[float, ...], ...]
+
+
+@dataclass(slots=True, frozen=True)
+class StepOutput:
+    """What one forward step returns, per sequence in batch order.
+
+    Attributes:
+        logits: float32 ``[vocab]`` for the last new token (``[T, vocab]`` with ``all_logits``).
+        attention: :class:`SegmentAttention` where the input asked for ``stat_segments``, else None.
+        deviation: where the input asked for ``guard``: per new token, the relative change of its
+            K and V from the values its slot held before the write, ``||new - old|| / ||old||``
+            averaged over layers (0 for a slot that held zeros); else None.
+    """
+
+    logits: list[torch.Tensor]
+    attention: list[SegmentAttention | None]
+    deviation: list[tuple[float, ...] | None]
+
+
+MAX_STAT_SEGMENTS = 64
+"""Most attention-statistics segments one sequence may ask for."""
+
+
+@dataclass(slots=True)
+class _ChunkSeq:
+    """Per-layer working data of one sequence with explicit positions, statistics or a guard."""
+
+    index: int  # position in the batch
+    lo: int  # its rows in the step
+    hi: int
+    context: torch.Tensor  # [S] slots, position order
+    positions: torch.Tensor  # [T] int64
+    write: torch.Tensor  # [T] slots
+    bias: torch.Tensor | None  # additive [T, S] mask (explicit positions only)
+    segments: torch.Tensor | None  # [S] int64 segment ids
+    num_segments: int
+    mass: torch.Tensor | None  # [T, nseg] float32, summed over heads and layers
+    guard: bool
+    deviation: torch.Tensor | None  # [T] float32, summed over layers
 
 @dataclass(slots=True)
 class HostKV:
@@ -183,6 +264,21 @@ class ModelRunner:
             self.dtype, self.device, hidden=cfg.hidden_size, intermediate=self._weights[0].gate_up.weight.shape[0] // 2,
             head_dim=self.head_dim, group=group)
         self._final_norm = (self._norm.weight.detach(), float(getattr(self._norm, "variance_epsilon", getattr(self._norm, "eps", 1e-6))))
+        #: layers whose attention statistics are recorded (``stat_segments``); all by default
+        self.stat_layers: frozenset[int] = frozenset(range(self.num_layers))
+
+    def sample_stat_layers(self, count: int) -> None:
+        """Record attention statistics on ``count`` evenly spaced layers (the first and last
+        included) instead of all: the statistics' reference computation costs about as much as the
+        attention itself on the torch path, and layer averages (Cache-Craft eq. 10) move little.
+
+        Raises:
+            InvalidRequestError: ``count < 1``.
+        """
+        if count < 1:
+            raise InvalidRequestError(f"at least one statistics layer is needed, got {count}")
+        n = self.num_layers
+        self.stat_layers = frozenset(round(i * (n - 1) / max(1, count - 1)) for i in range(min(count, n)))
 
     @property
     def kernel_tag(self) -> str:
@@ -228,14 +324,36 @@ class ModelRunner:
             every new token when ``all_logits`` (tests only: costly for long prompts).
 
         Raises:
-            InvalidRequestError: an empty sequence or target runs that do not match ``new_tokens``.
+            InvalidRequestError: see :meth:`forward_step`.
+        """
+        return self.forward_step(batch, all_logits=all_logits).logits
+
+    @torch.inference_mode()
+    def forward_step(self, batch: Sequence[ForwardInput], *, all_logits: bool = False) -> StepOutput:
+        """:meth:`forward` with the chunk-cache extras (attention statistics, KV deviation).
+
+        Raises:
+            InvalidRequestError: an empty sequence, target runs that do not match ``new_tokens``,
+                positions that are not ascending inside the context, statistics segments that do not
+                cover the context (or more than :data:`MAX_STAT_SEGMENTS`).
         """
         lengths = [len(item.new_tokens) for item in batch]
         if not batch or min(lengths) < 1:
             raise InvalidRequestError("forward needs at least one sequence with at least one new token")
-        cached_slots, new_slots, positions, modes, context = [], [], [], [], []
-        for item, n in zip(batch, lengths):
+        cached_slots, new_slots, positions, modes, context, chunk_seqs = [], [], [], [], [], []
+        row = 0
+        for idx, (item, n) in enumerate(zip(batch, lengths)):
             cached = self.slots(item.cached)
+            if item.positions is not None:
+                seq = self._chunk_seq(idx, row, item, cached)
+                chunk_seqs.append(seq)
+                cached_slots.append(None)
+                new_slots.append(seq.write)
+                positions.append(seq.positions)
+                modes.append(None)
+                context.append(None)
+                row += n
+                continue
             target = self.slots(item.target)
             if target.numel() != n:
                 raise InvalidRequestError(f"target runs hold {target.numel()} slots for {n} new tokens")
@@ -244,8 +362,11 @@ class ModelRunner:
             start = cached.numel()
             positions.append(torch.arange(start, start + n, device=self.device))
             modes.append(attention_plan(start, n, self.dtype, self.device, decode=item.decode))
-            if self.native_attention:
-                context.append(torch.cat((cached, target)) if cached.numel() else target)
+            ctx = torch.cat((cached, target)) if cached.numel() else target
+            context.append(ctx)
+            if item.stat_segments is not None or item.guard:
+                chunk_seqs.append(self._chunk_seq(idx, row, item, ctx, positions[-1]))
+            row += n
         ids = torch.tensor([t for item in batch for t in item.new_tokens], dtype=torch.int64, device=self.device)
         write = torch.cat(new_slots)
         offsets = [0]
@@ -254,20 +375,90 @@ class ModelRunner:
         h = self._embed(ids)  # [N, hidden]
         rows = torch.arange(offsets[-1]) if all_logits else torch.tensor(offsets[1:]) - 1
         rows = rows.to(self.device)
-        step = native.attention_batch(context, lengths, [item.decode for item in batch]) if self.native_attention else None
+        explicit = {seq.index for seq in chunk_seqs if seq.bias is not None}
+        step = None
+        if self.native_attention:
+            plain = [i for i in range(len(batch)) if i not in explicit]
+            if plain:
+                step = (native.attention_batch([context[i] for i in plain], [lengths[i] for i in plain],
+                                               [batch[i].decode for i in plain]),
+                        None if len(plain) == len(batch) else
+                        torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in plain]))
         if self.native_fused:
-            normed = self._layers_fused(h, write, step, torch.cat(positions)).index_select(0, rows)
+            normed = self._layers_fused(h, write, step, torch.cat(positions), chunk_seqs).index_select(0, rows)
         else:
             cos, sin = rope_cos_sin(self._inv_freq, torch.cat(positions), attention_scaling=self._rope_scaling, dtype=self.dtype)
             for layer_idx in range(self.num_layers):
-                h = self._layer(layer_idx, h, cos, sin, write, cached_slots, offsets, modes, step)
+                h = self._layer(layer_idx, h, cos, sin, write, cached_slots, offsets, modes, step, chunk_seqs)
             normed = self._norm(h.index_select(0, rows))
         logits = self._lm_head(normed).float()
-        if all_logits:
-            return [logits[offsets[i] : offsets[i + 1]] for i in range(len(batch))]
-        return list(logits)
+        per_seq = [logits[offsets[i] : offsets[i + 1]] for i in range(len(batch))] if all_logits else list(logits)
+        attention_out: list[SegmentAttention | None] = [None] * len(batch)
+        deviation_out: list[tuple[float, ...] | None] = [None] * len(batch)
+        for seq in chunk_seqs:
+            if seq.mass is not None:
+                mass = seq.mass / (len(self.stat_layers) * self.num_heads)
+                attention_out[seq.index] = SegmentAttention(tuple(tuple(r) for r in mass.tolist()))
+            if seq.deviation is not None:
+                deviation_out[seq.index] = tuple((seq.deviation / self.num_layers).tolist())
+        return StepOutput(per_seq, attention_out, deviation_out)
 
-    def _layers_fused(self, h, write, step, positions) -> torch.Tensor:
+    def _chunk_seq(self, idx: int, row: int, item: ForwardInput, context: torch.Tensor,
+                   positions: torch.Tensor | None = None) -> _ChunkSeq:
+        """Validate and prepare a sequence with explicit positions, statistics or a guard."""
+        n, s = len(item.new_tokens), context.numel()
+        bias = None
+        if positions is None:  # explicit positions: the context is given whole
+            if item.target or item.decode:
+                raise InvalidRequestError("a sequence with explicit positions has no target runs and is not a decode step")
+            pos = torch.tensor(item.positions, dtype=torch.int64)
+            if pos.numel() != n or int(pos.min()) < 0 or int(pos.max()) >= s or bool((pos.diff() <= 0).any()):
+                raise InvalidRequestError(f"{n} new tokens need ascending positions inside a context of {s} tokens")
+            positions = pos.to(self.device)
+            mask = position_mask(pos, s)
+            bias = torch.zeros(mask.shape, dtype=self.dtype).masked_fill_(~mask, float("-inf")).to(self.device)
+        segments, nseg, mass = None, 0, None
+        if item.stat_segments is not None:
+            lens = item.stat_segments
+            if sum(lens) != s or min(lens, default=0) < 1 or len(lens) > MAX_STAT_SEGMENTS:
+                raise InvalidRequestError(f"statistics segments {list(lens)} must cover the {s}-token context, "
+                                          f"each >= 1 token, at most {MAX_STAT_SEGMENTS}")
+            nseg = len(lens)
+            segments = torch.repeat_interleave(torch.arange(nseg), torch.tensor(lens)).to(self.device)
+            mass = torch.zeros(n, nseg, dtype=torch.float32, device=self.device)
+        write = context.index_select(0, positions) if bias is not None else context[s - n:]
+        return _ChunkSeq(idx, row, row + n, context, positions, write, bias, segments, nseg, mass, item.guard,
+                         torch.zeros(n, dtype=torch.float32, device=self.device) if item.guard else None)
+
+    def _chunk_before_write(self, seqs: Sequence[_ChunkSeq], kc: torch.Tensor, vc: torch.Tensor) -> list:
+        """The guarded sequences' slot contents before this layer's write (for the deviation)."""
+        return [(kc.index_select(0, s.write).float(), vc.index_select(0, s.write).float()) if s.guard else None
+                for s in seqs]
+
+    def _chunk_after_write(self, seqs: Sequence[_ChunkSeq], old: list, q: torch.Tensor, kc: torch.Tensor,
+                           vc: torch.Tensor, a: torch.Tensor, layer: int) -> None:
+        """Per chunk sequence, after its K/V were written: attention over explicit positions (into
+        ``a``), statistics and deviation."""
+        for seq, before in zip(seqs, old):
+            qs = q[seq.lo : seq.hi]
+            stats = seq.mass is not None and layer in self.stat_layers
+            if seq.bias is not None or stats:
+                ctx_k = kc.index_select(0, seq.context)
+                if seq.bias is not None:
+                    ctx_v = vc.index_select(0, seq.context)
+                    a[seq.lo : seq.hi] = attention(qs, ctx_k, ctx_v, scale=self._scale, mask=seq.bias)
+                if stats:
+                    m = segment_attention_mass(qs, ctx_k, seq.positions, seq.segments, seq.num_segments, scale=self._scale)
+                    seq.mass += m.sum(dim=1)
+            if before is not None:
+                k_old, v_old = before
+                new = torch.cat((kc.index_select(0, seq.write).float().flatten(1), vc.index_select(0, seq.write).float().flatten(1)), 1)
+                old_kv = torch.cat((k_old.flatten(1), v_old.flatten(1)), 1)
+                ref = old_kv.norm(dim=1)
+                dev = (new - old_kv).norm(dim=1) / ref.clamp_min(1e-6)
+                seq.deviation += torch.where(ref > 0, dev, torch.zeros_like(dev))
+
+    def _layers_fused(self, h, write, step, positions, chunk_seqs) -> torch.Tensor:
         """Every decoder layer with the native bf16 kernels; ``h`` (the residual stream) is
         updated in place. Returns the final-normed hidden states ``[N, hidden]``."""
         n, hq, hkv, d = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
@@ -278,8 +469,11 @@ class ModelRunner:
         for idx, w in enumerate(self._weights):
             kc, vc = self.k_cache[idx], self.v_cache[idx]
             qkv = w.qkv(x).view(n, hq + 2 * hkv, d)
+            old = self._chunk_before_write(chunk_seqs, kc, vc) if chunk_seqs else []
             native.rope_write(qkv, hq, hkv, cos, sin, kc, vc, write)
-            native.paged_attention(qkv[:, :hq], kc, vc, step, self._scale, out=a)
+            self._attend_native(qkv[:, :hq], kc, vc, step, a)
+            if chunk_seqs:
+                self._chunk_after_write(chunk_seqs, old, qkv[:, :hq], kc, vc, a, idx)
             x = native.add_rms_norm(h, w.o_proj(a.view(n, hq * d)), w.post_norm, w.post_eps)
             down = w.down_proj(native.silu_mul(w.gate_up(x)))
             if idx + 1 < len(self._weights):
@@ -288,7 +482,18 @@ class ModelRunner:
                 x = native.add_rms_norm(h, down, *self._final_norm)
         return x
 
-    def _layer(self, idx, h, cos, sin, write, cached_slots, offsets, modes, step) -> torch.Tensor:
+    def _attend_native(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, step, a: torch.Tensor) -> None:
+        """The native kernel over the step's ordinary sequences (``step``: batch and, when some
+        sequences take explicit positions instead, the rows it covers)."""
+        if step is None:
+            return
+        batch, rows = step
+        if rows is None:
+            native.paged_attention(q, kc, vc, batch, self._scale, out=a)
+        else:
+            a[rows] = native.paged_attention(q.index_select(0, rows), kc, vc, batch, self._scale)
+
+    def _layer(self, idx, h, cos, sin, write, cached_slots, offsets, modes, step, chunk_seqs) -> torch.Tensor:
         w = self._weights[idx]
         n = h.shape[0]
         hq, hkv = self.num_heads, self.num_kv_heads
@@ -297,25 +502,62 @@ class ModelRunner:
         qk = apply_rope(qkv[:, : hq + hkv], cos, sin)  # RoPE on Q and K heads at once
         q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :]  # [N, Hq, D], [N, Hkv, D], [N, Hkv, D]
         kc, vc = self.k_cache[idx], self.v_cache[idx]  # [slots, Hkv, D]
+        old = self._chunk_before_write(chunk_seqs, kc, vc) if chunk_seqs else []
         kc.index_copy_(0, write, k)
         vc.index_copy_(0, write, v)
-        if step is not None:  # native kernel: the whole step at once, straight over the arena
-            a = native.paged_attention(q, kc, vc, step, self._scale)
+        if step is not None and step[1] is None:  # native kernel: the whole step at once, straight over the arena
+            a = native.paged_attention(q, kc, vc, step[0], self._scale)
         else:
-            outs = []
+            a = torch.empty((n, hq, self.head_dim), dtype=q.dtype, device=q.device)
+            if step is not None:
+                self._attend_native(q, kc, vc, step, a)
             for i, slots in enumerate(cached_slots):
                 lo, hi = offsets[i], offsets[i + 1]
+                if modes[i] is None or step is not None:  # explicit positions (below), or done natively
+                    continue
                 if slots is None:  # cold prefill: attend over the fresh K/V directly
-                    outs.append(attention(q[lo:hi], k[lo:hi], v[lo:hi], scale=self._scale))
+                    a[lo:hi] = attention(q[lo:hi], k[lo:hi], v[lo:hi], scale=self._scale)
                 else:  # the cached context from the arena, then this step's fresh K/V (no re-gather)
                     ctx_k = torch.cat((kc.index_select(0, slots), k[lo:hi]))
                     ctx_v = torch.cat((vc.index_select(0, slots), v[lo:hi]))
-                    outs.append(attention_over_prefix(q[lo:hi], ctx_k, ctx_v, scale=self._scale, plan=modes[i]))
-            a = torch.cat(outs) if len(outs) > 1 else outs[0]
+                    a[lo:hi] = attention_over_prefix(q[lo:hi], ctx_k, ctx_v, scale=self._scale, plan=modes[i])
+        if chunk_seqs:
+            self._chunk_after_write(chunk_seqs, old, q, kc, vc, a, idx)
         h = h + w.o_proj(a.reshape(n, hq * self.head_dim))
         x = F.rms_norm(h, w.norm_shape, w.post_norm, w.post_eps)
         gate, up = w.gate_up(x).chunk(2, dim=-1)  # one GEMM for gate and up
         return h + w.down_proj(w.act(gate) * up)
+
+    # ---- chunk caches (Cache-Craft §3) ---------------------------------------------------------
+    @torch.inference_mode()
+    def copy_rerotated(self, src: KVRun, dst: KVRun, delta: int) -> None:
+        """Copy a chunk's KV (every layer) from ``src`` to ``dst`` with its keys moved by ``delta``
+        positions (RoPE re-rotation: ``R(p + d) k = R(d) R(p) k``, Cache-Craft §3.4.3).
+
+        Computed in float32 and rounded once to the arena's dtype.
+
+        Args:
+            src: where the chunk's KV is (a cached variant's blocks).
+            dst: where it goes (the request's blocks), the same length.
+            delta: new position minus old position of the chunk's first token, in tokens.
+
+        Raises:
+            InvalidRequestError: lengths differ or a run overflows its blocks.
+        """
+        if src.length != dst.length:
+            raise InvalidRequestError(f"copy_rerotated: source has {src.length} tokens, destination {dst.length}")
+        if src.length == 0:
+            return
+        s_slots, d_slots = self.slots([src]), self.slots([dst])
+        k = self.k_cache.index_select(1, s_slots)  # [L, T, Hkv, D]
+        if delta:
+            cos, sin = rope_cos_sin(self._inv_freq, torch.full((1,), int(delta), device=self.device), dtype=torch.float32)
+            kf = k.float()
+            half = kf.shape[-1] // 2
+            rot = torch.cat((-kf[..., half:], kf[..., :half]), dim=-1)
+            k = (kf * cos[0] + rot * sin[0]).to(self.dtype)
+        self.k_cache.index_copy_(1, d_slots, k)
+        self.v_cache.index_copy_(1, d_slots, self.v_cache.index_select(1, s_slots))
 
     # ---- KVMover (tiers) -----------------------------------------------------------------------
     def host_nbytes(self, num_tokens: int) -> int:

@@ -152,10 +152,24 @@ class PromptBuilder:
         ids = self.encode_template(self._between) + self.encode_text(f"Question: {q}") + self.encode_template(self._end)
         return Segment(ids, SegmentKind.TAIL, cacheable=False)
 
-    def build(self, question: str, documents: Sequence[tuple[str, str | None]]) -> list[Segment]:
-        """Segments for a RAG request: prefix, one per ``(text, doc_id)`` in retrieval order, tail."""
-        tail = self.tail(question)
-        return [self._prefix, *(self.document(t, d) for t, d in documents), tail]
+    def build(self, question: str, documents: Sequence[tuple[str, str | None]], *,
+              question_first: bool = False) -> list[Segment]:
+        """Segments for a RAG request: prefix, one per ``(text, doc_id)`` in retrieval order, tail.
+
+        ``question_first`` puts the question before the documents, as LangChain's stock RAG prompt
+        does (``Question: ... Context: ... Answer:``): ``[prefix, question text, documents...,
+        tail]``. Only chunk-cache reuse serves those documents after a new question.
+        """
+        if not question_first:
+            tail = self.tail(question)
+            return [self._prefix, *(self.document(t, d) for t, d in documents), tail]
+        q = question.strip()
+        if not q:
+            raise EmptyQueryError("the question is empty")
+        head = Segment(self.encode_text(f"Question: {q}\nContext:\n\n"), SegmentKind.TEXT, cacheable=True)
+        tail = Segment(self.encode_template(self._between) + self.encode_text("Answer:") + self.encode_template(self._end),
+                       SegmentKind.TAIL, cacheable=False)
+        return [self._prefix, head, *(self.document(t, d) for t, d in documents), tail]
 
 
 @dataclass(slots=True, frozen=True)

@@ -87,7 +87,7 @@ class Gate:
         self.entered = threading.Event()  # set when a forward call is waiting at (or passed) the gate
         self.batches: list[int] = []
         self.device_used: list[int] = []
-        real = engine.runner.forward
+        real = engine.runner.forward_step
         cache = engine.cache
 
         def forward(batch, **kw):
@@ -98,7 +98,7 @@ class Gate:
             self.device_used.append(cache.device_used_blocks)
             return real(batch, **kw)
 
-        monkeypatch.setattr(engine.runner, "forward", forward)
+        monkeypatch.setattr(engine.runner, "forward_step", forward)
 
     def open(self) -> None:
         self.open_event.set()

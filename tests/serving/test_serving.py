@@ -73,7 +73,7 @@ def test_cancel_pending_and_running_frees_blocks(tiny_model, fixed_profile):
 
 def test_forward_error_fails_the_step_and_frees_blocks(tiny_model, fixed_profile, monkeypatch):
     engine = _engine(tiny_model, fixed_profile)
-    real_forward = engine.runner.forward
+    real_forward = engine.runner.forward_step
     calls = {"n": 0}
 
     def flaky(batch, **kw):
@@ -82,7 +82,7 @@ def test_forward_error_fails_the_step_and_frees_blocks(tiny_model, fixed_profile
             raise RuntimeError("injected forward failure")
         return real_forward(batch, **kw)
 
-    monkeypatch.setattr(engine.runner, "forward", flaky)
+    monkeypatch.setattr(engine.runner, "forward_step", flaky)
     with ServingEngine(engine, SchedulerConfig(max_batch_size=3)) as srv:
         handles = [srv.submit(q, d, SamplingParams(max_tokens=5)) for q, d in _requests(8, seed=3)]
         outcomes = []

@@ -106,3 +106,72 @@ def test_inconsistent_variant_stats_are_refused(kwargs):
               "intra": 8.0, "token_inter": (0.1, 0.9, 0.5, 0.9)} | kwargs
     with pytest.raises(ValueError):
         VariantStats(**fields)
+
+
+# ---- rules, variant statistics from attention mass, Algorithm 1, eq. 16 --------------------------
+from ragcache_backend.cache.chunk_reuse import (  # noqa: E402
+    FocusTracker,
+    RecomputeRule,
+    choose_with_rule,
+    context_keys,
+    focused_set,
+    preload_depth,
+    stats_from_mass,
+)
+
+
+def test_recompute_rules_pick_their_tokens():
+    new = ("C2", "C5")  # CFO = 0.651355 * 0.25 -> ceil(0.163 * 4) = 1 token: the top one by inter-attention
+    assert choose_with_rule([C3], new, RecomputeRule("cfo")).recompute == (1,)
+    assert choose_with_rule([C3], new, RecomputeRule("all")).recompute == (0, 1, 2, 3)
+    assert choose_with_rule([C3], new, RecomputeRule("none")).recompute == ()
+    lead = choose_with_rule([C3], new, RecomputeRule("leading", leading=3))
+    assert lead.recompute == (0, 1, 2) and lead.cfo == 0.75
+    share = choose_with_rule([C3], new, RecomputeRule("share", share=0.5))
+    assert share.recompute == (1, 3) and share.cfo == 0.5  # the two highest token_inter (0.9, 0.9)
+    with pytest.raises(ValueError):
+        RecomputeRule("blend")
+
+
+def test_context_keys_make_repeats_unique():
+    assert context_keys(["S", "A", "B", "A", "A"]) == ("S", "A", "B", "A#2", "A#3")
+
+
+def test_stats_from_mass_sums_rows_eq3_eq4_eq14():
+    # segments: sink, S, A, the chunk B (2 tokens); rows are B's tokens
+    mass = [(0.5, 0.1, 0.2, 0.2), (0.3, 0.2, 0.1, 0.4)]
+    st = stats_from_mass("B", mass, own=3, keys=("<sink>", "S", "A", "B"), lengths=(4, 6, 10, 2), skip=1)
+    assert st.prefix == ("S", "A") and st.prefix_lengths == (6, 10)
+    assert st.inter == pytest.approx((0.3, 0.3)) and st.intra == pytest.approx(0.6)
+    assert st.token_inter == pytest.approx((0.3, 0.3))  # the sink is left out
+    with pytest.raises(ValueError):
+        stats_from_mass("B", mass, own=4, keys=("<sink>", "S", "A", "B"), lengths=(4, 6, 10, 2))
+
+
+def test_focused_set_algorithm1_hand_case():
+    # cumulative 1, 9, 2, 8: sorted 9, 8, 2, 1 (chunks 1, 3, 2, 0); gaps 1, 6, 1 -> p = 1/8, 3/4, 1/8
+    # h = 0.2599, 0.4757, 0.7356; jumps h1 - h0 = 0.2158, h2 - h1 = 0.2599 -> i* = 2: chunks 1 and 3
+    assert focused_set([1.0, 9.0, 2.0, 8.0]) == frozenset({1, 3})
+    assert focused_set([3.0, 1.0]) == frozenset({0, 1})  # fewer than 3 chunks: all focused
+    assert focused_set([2.0, 2.0, 2.0]) == frozenset({0, 1, 2})  # no gap
+
+
+def test_focus_tracker_decides_after_a_stable_window():
+    tracker = FocusTracker(window=2)
+    assert tracker.feed([5.0, 0.1, 0.2]) is None  # one layer: not yet
+    assert tracker.feed([5.0, 0.1, 0.2]) == focused_set([10.0, 0.2, 0.4])
+    assert tracker.layer == 2 and tracker.feed([0.0, 9.0, 9.0]) is None  # decided: later layers ignored
+    with pytest.raises(ValueError):
+        FocusTracker(window=0).feed([1.0, 2.0])
+    other = FocusTracker(window=3)
+    other.feed([1.0, 2.0, 3.0])
+    with pytest.raises(ValueError):
+        other.feed([1.0, 2.0])  # another number of chunks
+
+
+def test_preload_depth_eq16():
+    assert preload_depth(5, 1.0, 2.0) == 3  # the paper's Fig. 19: prefill:load = 1:2, L = 5 -> L_p = 3
+    assert preload_depth(30, 2.0, 1.0) == 1  # loading is faster than computing: one layer ahead
+    assert preload_depth(30, 1.0, 1e9) == 30
+    with pytest.raises(ValueError):
+        preload_depth(0, 1.0, 1.0)

@@ -146,7 +146,7 @@ def test_failed_prefill_leaves_no_poisoned_entry(engine, monkeypatch):
     def boom(*_a, **_k):
         raise RuntimeError("simulated device failure")
 
-    monkeypatch.setattr(engine.runner, "forward", boom)
+    monkeypatch.setattr(engine.runner, "forward_step", boom)
     with pytest.raises(RuntimeError):
         engine.generate("q", DOCS, GREEDY)
     monkeypatch.undo()

@@ -10,9 +10,12 @@ from ragcache_backend.model.kernels.attention import (
     attention_over_prefix,
     attention_plan,
     decode_attention,
+    position_mask,
     prefix_causal_bias,
     prefix_causal_mask,
+    segment_attention_mass,
 )
 from ragcache_backend.model.kernels.rope import apply_rope, rerotate, rope_cos_sin
 
-__all__ = ["AttentionPlan", "apply_rope", "attention", "attention_over_prefix", "attention_plan", "decode_attention", "prefix_causal_bias", "prefix_causal_mask", "rerotate", "rope_cos_sin"]
+__all__ = ["AttentionPlan", "apply_rope", "attention", "attention_over_prefix", "attention_plan", "decode_attention", "position_mask", "prefix_causal_bias", "prefix_causal_mask", "rerotate", "rope_cos_sin",
+           "segment_attention_mass"]

@@ -29,6 +29,50 @@ def prefix_causal_mask(num_new: int, num_ctx: int, device: torch.device | str = 
     return cols <= rows
 
 
+def position_mask(positions: torch.Tensor, num_ctx: int) -> torch.Tensor:
+    """Boolean mask ``[T, num_ctx]`` for queries at any positions of a context: query ``i`` may
+    attend to keys ``0 .. positions[i]`` (chunk-cache recomputation, Cache-Craft §3.4.3, where the
+    recomputed tokens sit inside reused chunks rather than at the end).
+
+    Raises:
+        ValueError: a position outside ``[0, num_ctx)``.
+    """
+    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= num_ctx):
+        raise ValueError(f"position_mask: positions must lie in [0, {num_ctx})")
+    cols = torch.arange(num_ctx, device=positions.device)[None, :]
+    return cols <= positions.to(torch.int64)[:, None]
+
+
+def segment_attention_mass(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor,
+                           num_segments: int, *, scale: float) -> torch.Tensor:
+    """Softmax mass each query gives each context segment (Cache-Craft eq. 3-4), float32 reference.
+
+    Args:
+        q: ``[T, Hq, D]`` queries (RoPE applied); k: ``[S, Hkv, D]`` the whole context's keys.
+        positions: ``[T]`` int64 position of each query in the context (it attends to ``0..pos``).
+        segments: ``[S]`` int64 segment index of each key, each in ``[0, num_segments)``.
+        num_segments: number of segments.
+        scale: softmax scale.
+
+    Returns:
+        ``[T, Hq, num_segments]`` float32; each ``[t, h]`` row sums to 1.
+
+    Raises:
+        ValueError: shapes that disagree or a segment index out of range.
+    """
+    t, hq, d = q.shape
+    s, hkv, _ = k.shape
+    if positions.shape != (t,) or segments.shape != (s,) or hq % hkv or (s and int(segments.max()) >= num_segments):
+        raise ValueError(f"segment_attention_mass: q {tuple(q.shape)}, k {tuple(k.shape)}, positions "
+                         f"{tuple(positions.shape)}, segments {tuple(segments.shape)} / {num_segments}")
+    kh = k.float().repeat_interleave(hq // hkv, dim=1).transpose(0, 1)  # [Hq, S, D]
+    scores = torch.bmm(q.float().transpose(0, 1), kh.transpose(1, 2)).mul_(scale)  # [Hq, T, S]
+    scores.masked_fill_(~position_mask(positions, s)[None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    onehot = F.one_hot(segments.to(torch.int64), num_segments).float()  # [S, nseg]
+    return torch.matmul(probs, onehot).transpose(0, 1).contiguous()  # [T, Hq, nseg]
+
+
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # An additive float mask takes PyTorch's fused CPU kernel; a boolean one is about 2x slower.
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))

@@ -1,0 +1,145 @@
+"""A chunk-mode request's prefill (Cache-Craft §3.2-3.4): the engine's side, as plain data.
+
+The cache's :class:`~ragcache_backend.cache.lease.ChunkLease` says, for every segment past the exact
+prefix, where its KV goes and which cached variant (if any) serves it. This module turns that into
+one :class:`~ragcache_backend.model.runner.ForwardInput`:
+
+1. each reused variant's KV is copied into the request's blocks with its keys re-rotated to the new
+   position (:meth:`ModelRunner.copy_rerotated`);
+2. the new tokens are every token of a fresh segment, the chosen tokens of each reused chunk (eq.
+   14) and the prompt's rest, each at its own position, attending causally over the merged context;
+3. attention statistics are asked for when a fresh document will become a variant, over segments
+   ``[attention sink, segment 0, ..., segment n, rest]`` (eq. 3-4), and the KV deviation of the
+   recomputed tokens when the quality guard is on.
+
+After the forward, :func:`variant_stats` turns the runner's per-row attention mass into each new
+variant's statistics and :func:`guard_flags` says which reused chunks moved too far and must be
+recomputed in full (a second pass, :func:`build_input` with ``full``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ragcache_backend.cache.chunk_reuse import SINK_TOKENS, VariantStats, context_keys, stats_from_mass
+from ragcache_backend.cache.lease import ChunkLease
+from ragcache_backend.model.runner import MAX_STAT_SEGMENTS, ForwardInput, KVRun, ModelRunner, SegmentAttention
+from ragcache_backend.prompts.builder import PromptPlan
+
+__all__ = ["ChunkLayout", "build_input", "chunk_deviations", "context_runs", "copy_variants", "guard_flags", "variant_stats"]
+
+_SINK_KEY = "<sink>"
+_REST_KEY = "<rest>"
+
+
+@dataclass(slots=True, frozen=True)
+class ChunkLayout:
+    """How one chunk-mode forward input maps back to the lease's pieces.
+
+    Attributes:
+        rows: per piece, the indices (into ``new_tokens``) of its computed tokens.
+        recorded: per piece, whether its statistics are recorded (a fresh document's first
+            occurrence in the prompt).
+        stat_keys, stat_lengths: the statistics segments' ids and token counts (empty: none asked).
+        stat_skip: leading statistics segments left out of inter-attention (the sink).
+        piece_segment: per piece, the index of its own statistics segment.
+    """
+
+    rows: tuple[tuple[int, ...], ...]
+    recorded: tuple[bool, ...]
+    stat_keys: tuple[str, ...]
+    stat_lengths: tuple[int, ...]
+    stat_skip: int
+    piece_segment: tuple[int, ...]
+
+
+def context_runs(lease: ChunkLease, rest_tokens: int) -> tuple[KVRun, ...]:
+    """The prompt's KV in position order: exact prefix nodes, every piece, the prompt's rest."""
+    runs = [KVRun(tuple(n.device_blocks or ()), 0, n.num_tokens) for n in lease.prefix]
+    runs += [KVRun(tuple(p.blocks), 0, p.spec.num_tokens) for p in lease.pieces]
+    runs.append(KVRun(tuple(lease.tail_blocks), 0, rest_tokens))
+    return tuple(runs)
+
+
+def copy_variants(lease: ChunkLease, runner: ModelRunner) -> None:
+    """Copy every reused variant's KV into its piece's blocks, keys re-rotated by the position delta."""
+    for piece in lease.pieces:
+        if piece.use is not None:
+            node = piece.use.node
+            src = KVRun(tuple(node.device_blocks or ()), 0, node.num_tokens)
+            runner.copy_rerotated(src, KVRun(tuple(piece.blocks), 0, piece.spec.num_tokens), piece.use.delta)
+
+
+def build_input(plan: PromptPlan, lease: ChunkLease, *, guard: bool, full: frozenset[int] = frozenset()) -> tuple[ForwardInput, ChunkLayout]:
+    """The forward input of a chunk-mode prefill (after :func:`copy_variants`).
+
+    Args:
+        plan: the request's prompt plan (its lead segments match the lease's prefix + pieces).
+        lease: the admitted lease.
+        guard: ask for the KV deviation of the computed tokens.
+        full: indices of reused pieces to recompute in full (the guard's second pass).
+
+    Returns:
+        the input and its :class:`ChunkLayout`.
+    """
+    lead = plan.lead
+    n_prefix = len(lease.prefix)
+    pos = lease.cached_tokens
+    new_tokens: list[int] = []
+    positions: list[int] = []
+    rows: list[tuple[int, ...]] = []
+    for i, (piece, seg) in enumerate(zip(lease.pieces, lead[n_prefix:])):
+        offsets = range(piece.spec.num_tokens) if piece.use is None or i in full else piece.use.recompute
+        rows.append(tuple(range(len(new_tokens), len(new_tokens) + len(offsets))))
+        new_tokens.extend(seg.token_ids[o] for o in offsets)
+        positions.extend(pos + o for o in offsets)
+        pos += piece.spec.num_tokens
+    new_tokens.extend(plan.rest)
+    positions.extend(range(pos, pos + len(plan.rest)))
+    keys = context_keys([s.key for s in lead])
+    recorded = tuple(
+        piece.spec.chunk and (piece.use is None or i in full) and keys[n_prefix + i] == piece.spec.key
+        for i, piece in enumerate(lease.pieces))
+    lengths = [len(s) for s in lead] + [len(plan.rest)]
+    sink = min(SINK_TOKENS, lengths[0] - 1) if lengths else 0
+    skip = 1 if sink > 0 else 0
+    stat_lengths = ([sink, lengths[0] - sink] if sink else lengths[:1]) + lengths[1:]
+    stat_keys = ((_SINK_KEY,) if sink else ()) + keys + (_REST_KEY,)
+    if not any(recorded) or len(stat_lengths) > MAX_STAT_SEGMENTS:
+        recorded, stat_keys, stat_lengths = (False,) * len(lease.pieces), (), []
+    runs = context_runs(lease, len(plan.rest))
+    item = ForwardInput(tuple(new_tokens), runs, (), positions=tuple(positions),
+                        stat_segments=tuple(stat_lengths) if stat_keys else None, guard=guard)
+    layout = ChunkLayout(tuple(rows), recorded, stat_keys, tuple(stat_lengths), skip,
+                         tuple(skip + n_prefix + i for i in range(len(lease.pieces))))
+    return item, layout
+
+
+def variant_stats(lease: ChunkLease, layout: ChunkLayout, attention: SegmentAttention | None) -> list[VariantStats | None]:
+    """Per piece, the statistics of the variant it becomes (None: not recorded)."""
+    out: list[VariantStats | None] = []
+    for piece, rows, rec, own in zip(lease.pieces, layout.rows, layout.recorded, layout.piece_segment):
+        if not rec or attention is None or not rows:
+            out.append(None)
+            continue
+        mass = [attention.mass[r] for r in rows]
+        out.append(stats_from_mass(piece.spec.key, mass, own, layout.stat_keys, layout.stat_lengths, layout.stat_skip))
+    return out
+
+
+def chunk_deviations(lease: ChunkLease, layout: ChunkLayout, deviation: Sequence[float] | None) -> dict[int, float]:
+    """Per reused piece with recomputed tokens: the mean relative change of those tokens' K/V
+    (the quality guard's signal; how far reuse had moved this chunk's computation)."""
+    if deviation is None:
+        return {}
+    return {i: sum(deviation[r] for r in rows) / len(rows)
+            for i, (piece, rows) in enumerate(zip(lease.pieces, layout.rows)) if piece.use is not None and rows}
+
+
+def guard_flags(deviations: dict[int, float], threshold: float | None) -> frozenset[int]:
+    """Indices of reused pieces whose recomputed tokens' K/V moved by more than ``threshold``:
+    their cached KV was too far from this context to serve it."""
+    if threshold is None:
+        return frozenset()
+    return frozenset(i for i, d in deviations.items() if d > threshold)

@@ -1,0 +1,191 @@
+"""The cache's chunk-mode protocol (admit_chunks / commit_chunks / finish) on a simulated mover:
+which variant serves a chunk, what becomes a tree node or a detached variant, the variant caps
+(Cache-Craft §3.3) and that nothing leaks."""
+
+from __future__ import annotations
+
+import pytest
+
+from ragcache_backend.cache.chunk_reuse import RecomputeRule, VariantInfo, VariantStats
+from ragcache_backend.cache.knowledge_tree import SegmentKey
+from ragcache_backend.cache.lease import ChunkSpec
+from ragcache_backend.cache.profile import PrefillProfile
+from ragcache_backend.cache.tiers import TieredCache
+from ragcache_backend.errors import CacheBudgetError, InvalidRequestError
+from tests.unit.sim_mover import SimulatedMover
+
+PROFILE = PrefillProfile(alphas=(0, 1000), betas=(1, 1001), times=((0.01, 10.01), (0.02, 20.02)))
+K = SegmentKey
+RULE = RecomputeRule()
+
+
+def make(blocks: int = 40, host: int = 0, per_chunk: int = 4, total: int = 1024) -> TieredCache:
+    cache = TieredCache(blocks, 10, host, SimulatedMover(bytes_per_token=100), policy="pgdsf", profile=PROFILE)
+    cache.configure_variants(fingerprint="model-a/bf16", per_chunk=per_chunk, total=total)
+    return cache
+
+
+def spec(key: str, n: int, chunk: bool = True) -> ChunkSpec:
+    return ChunkSpec(K(key), n, chunk)
+
+
+def stats_for(chunk: str, n: int, context: tuple[str, ...], inter: float = 1.0) -> VariantStats:
+    """A variant whose tokens gave ``inter`` to each prefix segment and 4.0 to themselves."""
+    return VariantStats(chunk, n, context, (10,) * len(context), (inter,) * len(context), 4.0,
+                        tuple(float(i % 3) for i in range(n)))
+
+
+def run(cache: TieredCache, specs, *, exact_upto: int, alpha: float = 1.0, record: bool = True,
+        fresh_above: float = 1.0):
+    """admit -> (prefill) -> commit with statistics for every fresh document -> finish."""
+    lease = cache.admit_chunks(specs, tail_tokens=5, exact_upto=exact_upto, rule=RecomputeRule(alpha=alpha), fresh_above=fresh_above)
+    assert lease is not None
+    stats = [stats_for(p.spec.key, p.spec.num_tokens, p.context) if record and p.spec.chunk and p.use is None else None
+             for p in lease.pieces]
+    cache.commit_chunks(lease, rest_tokens=1, stats=stats)
+    cache.finish(lease)
+    cache.check_invariants()
+    assert cache.locked_nodes == 0 and cache.request_blocks == 0
+    return lease
+
+
+def test_exact_context_becomes_tree_nodes_with_variants_and_a_moved_chunk_is_served_from_one():
+    cache = make()
+    first = run(cache, [spec("SYS", 10, False), spec("A", 20), spec("B", 20), spec("Q1", 5, False)], exact_upto=4)
+    assert [p.use for p in first.pieces] == [None] * 4  # nothing cached yet
+    assert [n.key for n in cache.tree.match_prefix([K("SYS"), K("A"), K("B"), K("Q1")])] == ["SYS", "A", "B", "Q1"]
+    assert len(cache.variants(K("A"))) == 1 and len(cache.variants(K("B"))) == 1
+    assert cache.variants(K("B"))[0].variant.start == 30
+    # B first, then A, after a new question: SYS exact, both documents from their variants
+    lease = cache.admit_chunks([spec("SYS", 10, False), spec("Q2", 5, False), spec("B", 20), spec("A", 20)],
+                               tail_tokens=5, exact_upto=4, rule=RULE)
+    assert [n.key for n in lease.prefix] == ["SYS"] and lease.cached_tokens == 10
+    b, a = lease.pieces[1], lease.pieces[2]
+    assert b.use is not None and b.use.delta == 15 - 30 and a.use is not None and a.use.delta == 35 - 10
+    # B's variant saw (SYS, A): SYS still there, A now after it -> beta = 1/2, CFO = CCI * 1/2
+    assert 0 < b.use.cfo < 1 and len(b.use.recompute) == pytest.approx(b.use.cfo * 20, abs=1)
+    assert lease.reused_tokens + lease.recomputed_tokens == 40 and cache.locked_nodes == 3
+    cache.commit_chunks(lease, rest_tokens=1, stats=[None, None, None])
+    assert cache.locked_nodes == 2  # the copy sources are unlocked at commit; SYS and Q2 stay locked
+    cache.finish(lease)
+    assert cache.stats.variant_hits == 2 and cache.variants(K("B"))[0].variant.reuse_score > 0
+    cache.check_invariants()
+
+
+def test_a_fresh_chunk_after_reused_kv_becomes_a_detached_variant_never_an_exact_match():
+    cache = make()
+    run(cache, [spec("SYS", 10, False), spec("A", 20)], exact_upto=2)
+    lease = run(cache, [spec("SYS", 10, False), spec("Q", 5, False), spec("A", 20), spec("C", 30)], exact_upto=4)
+    assert lease.pieces[1].use is not None and lease.pieces[2].use is None
+    variants = cache.variants(K("C"))
+    assert len(variants) == 1 and variants[0].parent is cache.tree.root and variants[0].key != K("C")
+    # exact matching never reaches it: the path SYS, Q, A, C is not in the tree past Q
+    assert [n.key for n in cache.tree.match_prefix([K("SYS"), K("Q"), K("A"), K("C")])] == ["SYS", "Q"]
+    # a later request reuses the detached variant
+    again = cache.admit_chunks([spec("SYS", 10, False), spec("C", 30)], tail_tokens=1, exact_upto=2, rule=RULE)
+    assert again.pieces[0].use is not None and again.pieces[0].use.node is variants[0]
+    cache.finish(again)  # released before commit: nothing inserted, nothing leaks
+    assert cache.locked_nodes == 0 and cache.request_blocks == 0
+    cache.check_invariants()
+
+
+def test_chunk_mode_serves_documents_from_variants_even_where_the_exact_path_exists():
+    cache = make()
+    run(cache, [spec("SYS", 10, False), spec("A", 20), spec("Q", 5, False)], exact_upto=3)
+    lease = cache.admit_chunks([spec("SYS", 10, False), spec("A", 20), spec("Q", 5, False)], tail_tokens=1,
+                               exact_upto=1, rule=RULE)
+    use = lease.pieces[0].use
+    assert [n.key for n in lease.prefix] == ["SYS"] and use is not None
+    assert use.cfo == 0.0 and use.recompute == () and use.delta == 0  # same context: nothing to fix
+    cache.finish(lease)
+    cache.check_invariants()
+
+
+def test_variants_of_another_model_or_of_an_edited_document_are_never_served():
+    cache = make()
+    run(cache, [spec("SYS", 10, False), spec("A", 20)], exact_upto=2)
+    node = cache.variants(K("A"))[0]
+    node.variant.fingerprint = "model-b/fp32"  # e.g. loaded from a file written under another model
+    assert cache.variants(K("A")) == [] and len(cache.variants_any(K("A"))) == 1
+    lease = cache.admit_chunks([spec("SYS", 10, False), spec("Q", 3, False), spec("A", 20)], tail_tokens=1,
+                               exact_upto=3, rule=RULE)
+    assert lease.pieces[1].use is None
+    cache.finish(lease)
+    edited = cache.admit_chunks([spec("SYS", 10, False), spec("Q", 3, False), spec("A'", 20)], tail_tokens=1,
+                                exact_upto=3, rule=RULE)
+    assert edited.pieces[1].use is None  # another content hash: another chunk
+    cache.finish(edited)
+    cache.check_invariants()
+
+
+def test_the_same_document_twice_in_a_prompt_is_a_variant_once():
+    cache = make()
+    lease = run(cache, [spec("SYS", 10, False), spec("A", 20), spec("Q", 3, False), spec("A", 20)], exact_upto=4)
+    assert lease.pieces[3].context == ("SYS", "A", "Q") and len(cache.variants(K("A"))) == 1
+    again = cache.admit_chunks([spec("SYS", 10, False), spec("R", 3, False), spec("A", 20), spec("A", 20)],
+                               tail_tokens=1, exact_upto=4, rule=RULE)
+    assert again.pieces[1].use is not None and again.pieces[2].use is None  # the repeat is computed
+    assert again.pieces[2].context == ("SYS", "R", "A")
+    cache.finish(again)
+    cache.check_invariants()
+
+
+def test_per_chunk_cap_evicts_the_lowest_reuse_score():
+    cache = make(per_chunk=2)
+    for i in range(3):  # three contexts for A: CFO = CCI (0.73) * (1 - beta' = 1/2) > 0.3, so each is computed anew
+        lease = run(cache, [spec("SYS", 10, False), spec(f"P{i}", 10), spec("A", 20)], exact_upto=3, fresh_above=0.3)
+        assert lease.pieces[-1].use is None
+    variants = cache.variants(K("A"))
+    assert len(variants) == 2 and cache.stats.variant_evictions == 1
+    assert {n.variant.stats.prefix for n in variants} == {("SYS", "P1"), ("SYS", "P2")}  # the oldest, f_r 0, went
+    run(cache, [spec("SYS", 10, False), spec("P3", 10), spec("A", 20)], exact_upto=3)  # reused: f_r grows
+    assert cache.stats.variant_hits == 1 and cache.variants(K("A"))[0].variant.reuse_score > 2
+    cache.check_invariants()
+
+
+def test_total_cap_and_budget_errors():
+    cache = make(total=3)
+    for name in "ABCD":
+        run(cache, [spec("SYS", 10, False), spec(name, 10)], exact_upto=2)
+    assert cache.num_variants == 3
+    with pytest.raises(CacheBudgetError):
+        cache.admit_chunks([spec("BIG", 500)], tail_tokens=1, exact_upto=1, rule=RULE)
+    with pytest.raises(ValueError):
+        RecomputeRule(alpha=-1.0)
+    with pytest.raises(InvalidRequestError):
+        cache.admit_chunks([spec("A", 10)], tail_tokens=-1, exact_upto=1, rule=RULE)
+    with pytest.raises(InvalidRequestError):
+        cache.configure_variants(fingerprint="x", per_chunk=0)
+    cache.check_invariants()
+
+
+def test_no_room_now_returns_none_and_holds_nothing():
+    cache = make(blocks=8)
+    first = cache.admit_chunks([spec("SYS", 10, False), spec("A", 30)], tail_tokens=20, exact_upto=2, rule=RULE)
+    assert first is not None  # 1 + 3 + 2 blocks held
+    assert cache.admit_chunks([spec("B", 30)], tail_tokens=1, exact_upto=1, rule=RULE) is None
+    assert cache.request_blocks == 6 and cache.locked_nodes == 0
+    cache.finish(first)
+    assert cache.request_blocks == 0 and cache.device_used_blocks == 0
+    cache.check_invariants()
+
+
+def test_variants_swapped_to_host_are_swapped_back_in_to_serve():
+    cache = make(blocks=9, host=100_000)
+    run(cache, [spec("SYS", 10, False), spec("A", 30)], exact_upto=2)
+    run(cache, [spec("X", 40, False), spec("Y", 30, False)], exact_upto=2)  # pushes A (and SYS) to host
+    a = cache.variants(K("A"))
+    assert a and not a[0].in_device and a[0].in_host
+    lease = cache.admit_chunks([spec("SYS", 10, False), spec("Q", 5, False), spec("A", 30)], tail_tokens=1,
+                               exact_upto=3, rule=RULE)
+    assert lease is not None and lease.pieces[1].use is not None and lease.host_hits >= 1
+    cache.finish(lease)
+    cache.check_invariants()
+
+
+def test_add_variant_rejects_nodes_outside_the_tree():
+    cache = make()
+    from ragcache_backend.cache.knowledge_tree import Node
+
+    with pytest.raises(InvalidRequestError):
+        cache.add_variant(Node(K("x"), 3), VariantInfo(stats_for("x", 3, ()), 0, "f"))

@@ -1,0 +1,123 @@
+"""Chunk-cache mode through the engine on a random tiny Llama (fp32): reuse at any position, the
+exactness limits (recompute everything = full recomputation), the guard, bad input, no leaks."""
+
+from __future__ import annotations
+
+import pytest
+
+from ragcache_backend.cache.chunk_reuse import RecomputeRule
+from ragcache_backend.config import EngineConfig
+from ragcache_backend.engine.engine import RAGCacheEngine
+from ragcache_backend.errors import ContextWindowError, InvalidRequestError
+from ragcache_backend.model.sampling import SamplingParams
+
+DOCS = [
+    "The global interpreter lock (GIL) lets one thread run Python bytecode at a time. " * 6,
+    "Lists are mutable sequences; tuples are immutable and can be dictionary keys. " * 6,
+    "A decorator is a callable that takes a function and returns a replacement. " * 6,
+    "Generators produce values lazily with yield and keep their frame between calls. " * 6,
+]
+GREEDY = SamplingParams(max_tokens=8)
+
+
+def make(model, profile, **kw) -> RAGCacheEngine:
+    cfg = dict(device_budget_bytes=8 * 1024 * 1024, host_budget_bytes=16 * 1024 * 1024, reuse="auto", chunk_guard=None,
+               chunk_fresh_above=1.0)
+    cfg.update(kw)
+    return RAGCacheEngine(EngineConfig(**cfg), loaded=model, profile=profile)
+
+
+def assert_clean(engine: RAGCacheEngine) -> None:
+    engine.cache.check_invariants()
+    assert engine.cache.locked_nodes == 0 and engine.cache.request_blocks == 0
+
+
+def test_documents_in_another_order_are_served_from_chunk_variants(tiny_model, fixed_profile):
+    eng = make(tiny_model, fixed_profile)
+    first = eng.generate("What is the GIL?", DOCS[:3], GREEDY)
+    assert first.reuse == "auto" and first.chunk_hits == 0 and eng.cache.num_variants == 3
+    # D1 and D2 lost D0 from their context (CFO > 0); D0 only gained context (beta = 1, CFO = 0, eq. 6)
+    again = eng.generate("Why are tuples hashable?", [DOCS[1], DOCS[2], DOCS[0]], GREEDY)
+    assert again.chunk_hits == 3 and again.chunk_cached_tokens > 0
+    assert again.cached_tokens == again.prompt_tokens - again.computed_tokens
+    assert again.computed_tokens >= again.recomputed_tokens > 0
+    exact = eng.generate("Why are tuples hashable?", [DOCS[1], DOCS[2], DOCS[0]], GREEDY, reuse="exact")
+    assert exact.chunk_hits == 0 and exact.cached_tokens < again.cached_tokens  # the tree alone: the system prompt
+    assert_clean(eng)
+
+
+def test_recomputing_every_token_of_reused_chunks_equals_full_recomputation(tiny_model, fixed_profile):
+    eng = make(tiny_model, fixed_profile, chunk_recompute="all")
+    eng.generate("What is the GIL?", DOCS[:3], GREEDY)
+    segs, _ = eng.segments_for("Tell me about decorators.", [DOCS[1], DOCS[3], DOCS[0], DOCS[2]], GREEDY)
+    ref, cached0 = eng.first_token_logits(segs, use_cache=False)
+    assert cached0 == 0
+    got, cached = eng.first_token_logits(segs, store=False)
+    assert cached > 0  # the system prompt, exactly; every document token recomputed
+    assert (got - ref).abs().max().item() < 1e-4
+    on = eng.generate("Tell me about decorators.", [DOCS[1], DOCS[3], DOCS[0], DOCS[2]], GREEDY)
+    off = eng.generate("Tell me about decorators.", [DOCS[1], DOCS[3], DOCS[0], DOCS[2]], GREEDY, use_cache=False)
+    assert on.chunk_hits == 3 and on.token_ids == off.token_ids
+    assert_clean(eng)
+
+
+def test_full_reuse_without_recomputation_differs_and_the_rules_order_by_cost(tiny_model, fixed_profile):
+    eng = make(tiny_model, fixed_profile)
+    eng.generate("What is the GIL?", DOCS[:3], GREEDY)
+    segs, _ = eng.segments_for("And lists?", [DOCS[2], DOCS[1], DOCS[0]], GREEDY)
+    ref, _ = eng.first_token_logits(segs, use_cache=False)
+    none, _ = eng.first_token_logits(segs, store=False, recompute=RecomputeRule("none"))
+    assert (none - ref).abs().max().item() > 1e-4  # reused KV is approximate: the test is not vacuous
+    handle = eng.submit_segments(segs, GREEDY, recompute=RecomputeRule("leading", leading=8), store=False)
+    lead = handle.result()
+    assert lead.recomputed_tokens == 8 * 3 and lead.chunk_hits == 3
+    every = eng.submit_segments(segs, GREEDY, recompute=RecomputeRule("all"), store=False).result()
+    assert every.chunk_cached_tokens == 0 and every.recomputed_tokens == sum(len(s) for s in segs if s.doc_id)
+    assert_clean(eng)
+
+
+def test_chunk_mode_takes_documents_from_variants_and_exact_mode_never_does(tiny_model, fixed_profile):
+    eng = make(tiny_model, fixed_profile, reuse="chunk")
+    eng.generate("What is the GIL?", DOCS[:2], GREEDY)
+    rep = eng.generate("What is the GIL?", DOCS[:2], GREEDY)
+    assert rep.chunk_hits == 2 and rep.recomputed_tokens == 0  # same context: CFO 0, RoPE delta 0
+    ex = eng.generate("What is the GIL?", DOCS[:2], GREEDY, reuse="exact")
+    assert ex.chunk_hits == 0 and ex.cached_tokens == ex.prompt_tokens - 1
+    assert_clean(eng)
+
+
+def test_the_guard_recomputes_a_chunk_that_moved_too_far(tiny_model, fixed_profile):
+    eng = make(tiny_model, fixed_profile, chunk_guard=1e-6, chunk_recompute="share", chunk_share=0.2)
+    eng.generate("What is the GIL?", DOCS[:3], GREEDY)
+    segs, _ = eng.segments_for("What is the GIL?", [DOCS[1], DOCS[2], DOCS[0]], GREEDY)
+    ref, _ = eng.first_token_logits(segs, use_cache=False)
+    res = eng.submit_segments(segs, GREEDY, keep_logits=True)
+    out = res.result()
+    assert out.guarded_chunks == 3 and out.chunk_hits == 0 and out.recomputed_tokens == 0
+    assert (res.first_logits - ref).abs().max().item() < 1e-4  # every chunk recomputed: exact again
+    assert eng.cache.num_variants > 3  # the recomputed chunks are kept as variants for this context
+    assert_clean(eng)
+
+
+def test_bad_input_in_chunk_mode(tiny_model, fixed_profile):
+    eng = make(tiny_model, fixed_profile)
+    with pytest.raises(InvalidRequestError):
+        eng.generate("q?", DOCS[:1], GREEDY, reuse="fuzzy")
+    with pytest.raises(InvalidRequestError):
+        eng.generate("q?", ["   "], GREEDY)  # an empty chunk
+    segs, _ = eng.segments_for("q?", DOCS[:1], GREEDY)
+    with pytest.raises(InvalidRequestError):
+        eng.submit_segments(segs, GREEDY, reuse="exact", store=False)
+    # a chunk longer than the context window: left out whole by generate, refused for a fixed prompt
+    huge = "word " * 5000
+    assert len(eng.generate("q?", [DOCS[0], huge], GREEDY).dropped_documents) == 1
+    big = eng.prompts.build("q?", [(huge, None)])
+    with pytest.raises(ContextWindowError):
+        eng.submit_segments(big, GREEDY)
+    # the same document twice: computed twice, recorded once; a one-character edit is never reused
+    twice = eng.generate("Twice?", [DOCS[0], DOCS[1], DOCS[0]], GREEDY)
+    assert twice.chunk_hits == 0 and len(eng.cache.variants(eng.segments_for("x", DOCS[:1], GREEDY)[0][1].key)) == 1
+    edited = DOCS[1].replace("mutable", "mutabIe", 1)
+    res = eng.generate("Edited?", [DOCS[3], edited], GREEDY)
+    assert res.chunk_hits == 0
+    assert_clean(eng)

@@ -1,0 +1,160 @@
+"""The runner's chunk-cache path on a random tiny Llama (fp32): tokens at any positions, RoPE
+re-rotation of a moved chunk, attention statistics and the KV deviation (Cache-Craft §3)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ragcache_backend.errors import InvalidRequestError
+from ragcache_backend.model.runner import ForwardInput, KVRun, ModelRunner
+
+
+@pytest.fixture()
+def runner(tiny_model) -> ModelRunner:
+    return ModelRunner(tiny_model, num_device_blocks=256, block_size=16)
+
+
+def _toks(n: int, seed: int) -> tuple[int, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randint(10, 40000, (n,), generator=g).tolist())
+
+
+class Blocks:
+    """Hands out fresh block ranges."""
+
+    def __init__(self) -> None:
+        self.next = 0
+
+    def run(self, n: int) -> KVRun:
+        count = -(-n // 16)
+        run = KVRun(tuple(range(self.next, self.next + count)), 0, n)
+        self.next += count
+        return run
+
+
+def _prefill(runner, runs_and_tokens, **kw):
+    """Cold prefill of consecutive segments into their runs; returns the last-token logits."""
+    toks = tuple(t for _, ts in runs_and_tokens for t in ts)
+    # a cold prefill of several segments: the first run is the target of all tokens' KV only if
+    # there is one segment, so write segment by segment over the growing context
+    cached: list[KVRun] = []
+    out = None
+    for run, ts in runs_and_tokens:
+        out = runner.forward([ForwardInput(ts, tuple(cached), (run,))], **kw)[0]
+        cached.append(run)
+    assert out is not None and toks
+    return out
+
+
+def test_tokens_at_explicit_positions_equal_an_ordinary_prefill(runner):
+    b = Blocks()
+    prefix, rest = _toks(40, 1), _toks(25, 2)
+    p1, r1 = b.run(40), b.run(25)
+    ref = _prefill(runner, [(p1, prefix), (r1, rest)])
+    p2, r2 = b.run(40), b.run(25)
+    runner.forward([ForwardInput(prefix, (), (p2,))])
+    pos = tuple(range(40, 65))
+    out = runner.forward([ForwardInput(rest, (p2, r2), (), positions=pos)])[0]
+    assert (out - ref).abs().max().item() < 1e-5
+
+
+def test_rerotated_keys_equal_keys_computed_at_the_new_position(runner):
+    """Layer 0's K and V depend only on the token and its position, so a chunk computed at
+    position 7 and moved to 50 must equal the same chunk computed at 50 (fp32, 1e-4)."""
+    b = Blocks()
+    chunk = _toks(30, 3)
+    a_prefix, b_prefix = _toks(7, 4), _toks(50, 5)
+    pa, ca = b.run(7), b.run(30)
+    _prefill(runner, [(pa, a_prefix), (ca, chunk)])
+    pb, cb = b.run(50), b.run(30)
+    _prefill(runner, [(pb, b_prefix), (cb, chunk)])
+    moved = b.run(30)
+    runner.copy_rerotated(ca, moved, 50 - 7)
+    sl_m, sl_b, sl_a = runner.slots([moved]), runner.slots([cb]), runner.slots([ca])
+    assert (runner.k_cache[0, sl_m] - runner.k_cache[0, sl_b]).abs().max().item() < 1e-4
+    assert torch.equal(runner.v_cache[0, sl_m], runner.v_cache[0, sl_a])
+    assert (runner.k_cache[0, sl_a] - runner.k_cache[0, sl_b]).abs().max().item() > 1e-2  # the move mattered
+
+
+def test_recomputing_every_token_of_moved_chunks_equals_full_recomputation(runner):
+    """Recompute share 1: chunks reused from another context and position, every token recomputed
+    over the merged context, give the cold prompt's logits (fp32)."""
+    b = Blocks()
+    sys_, c1, c2, q = _toks(20, 6), _toks(33, 7), _toks(41, 8), _toks(9, 9)
+    ref = _prefill(runner, [(b.run(20), sys_), (b.run(33), c1), (b.run(41), c2), (b.run(9), q)])
+    # variants computed elsewhere: c2 after another document, c1 first
+    other = _toks(17, 10)
+    ov, v2 = b.run(20 + 17), b.run(41)
+    _prefill(runner, [(ov, sys_ + other), (v2, c2)])
+    sv, v1 = b.run(20), b.run(33)
+    _prefill(runner, [(sv, sys_), (v1, c1)])
+    r1, r2, rq = b.run(33), b.run(41), b.run(9)
+    runner.copy_rerotated(v1, r1, 0)
+    runner.copy_rerotated(v2, r2, (20 + 33) - (20 + 17))
+    new = c1 + c2 + q
+    pos = tuple(range(20, 20 + 33 + 41 + 9))
+    out = runner.forward([ForwardInput(new, (sv, r1, r2, rq), (), positions=pos)])[0]
+    assert (out - ref).abs().max().item() < 1e-4
+    # without recomputation the moved chunk gives other logits (the test is not vacuous)
+    r2b, rqb = b.run(41), b.run(9)
+    runner.copy_rerotated(v2, r2b, (20 + 33) - (20 + 17))
+    approx = runner.forward([ForwardInput(q, (sv, v1, r2b), (rqb,))])[0]
+    assert (approx - ref).abs().max().item() > 1e-3
+
+
+def test_attention_statistics_match_the_models_own_attention_weights(runner, tiny_model):
+    b = Blocks()
+    sys_, c1, c2 = _toks(12, 11), _toks(20, 12), _toks(15, 13)
+    ps, p1 = b.run(12), b.run(20)
+    _prefill(runner, [(ps, sys_), (p1, c1)])
+    p2 = b.run(15)
+    step = runner.forward_step([ForwardInput(c2, (ps, p1), (p2,), stat_segments=(12, 20, 15))])
+    mass = torch.tensor(step.attention[0].mass)  # [15, 3]
+    assert mass.shape == (15, 3) and torch.allclose(mass.sum(1), torch.ones(15), atol=1e-5)
+    model = tiny_model.model
+    saved = model.config._attn_implementation
+    model.config._attn_implementation = "eager"
+    try:
+        with torch.inference_mode():
+            att = model(torch.tensor([sys_ + c1 + c2]), output_attentions=True).attentions
+    finally:
+        model.config._attn_implementation = saved
+    probs = torch.stack(att)[:, 0, :, 32:, :].mean(dim=(0, 1))  # [15 rows, 47 keys], mean over layers and heads
+    ref = torch.stack([probs[:, :12].sum(1), probs[:, 12:32].sum(1), probs[:, 32:].sum(1)], dim=1)
+    assert (mass - ref).abs().max().item() < 1e-4
+
+
+def test_deviation_is_zero_when_nothing_moved_and_positive_when_the_context_changed(runner):
+    b = Blocks()
+    sys_, c1, c2 = _toks(16, 14), _toks(30, 15), _toks(30, 16)
+    ps, p1, p2 = b.run(16), b.run(30), b.run(30)
+    _prefill(runner, [(ps, sys_), (p1, c1), (p2, c2)])
+    # recompute tokens 5, 9 and 20 of c2 in its own context: same KV
+    picks = (5, 9, 20)
+    pos = tuple(16 + 30 + i for i in picks)
+    same = runner.forward_step([ForwardInput(tuple(c2[i] for i in picks), (ps, p1, p2), (), positions=pos, guard=True)])
+    assert max(same.deviation[0]) < 1e-5
+    # c2's KV computed after another document, moved next to c1: recomputation moves it
+    other = _toks(30, 17)
+    po, v2 = b.run(16 + 30), b.run(30)
+    _prefill(runner, [(po, sys_ + other), (v2, c2)])
+    r2 = b.run(30)
+    runner.copy_rerotated(v2, r2, 0)
+    moved = runner.forward_step([ForwardInput(tuple(c2[i] for i in picks), (ps, p1, r2), (), positions=pos, guard=True)])
+    assert min(moved.deviation[0]) > 1e-3
+
+
+def test_bad_positions_and_segments_are_rejected(runner):
+    b = Blocks()
+    ctx = b.run(20)
+    with pytest.raises(InvalidRequestError):
+        runner.forward([ForwardInput(_toks(2, 1), (ctx,), (), positions=(5, 3))])
+    with pytest.raises(InvalidRequestError):
+        runner.forward([ForwardInput(_toks(1, 1), (ctx,), (), positions=(20,))])
+    with pytest.raises(InvalidRequestError):
+        runner.forward([ForwardInput(_toks(1, 1), (ctx,), (b.run(1),), positions=(19,))])
+    with pytest.raises(InvalidRequestError):
+        runner.forward_step([ForwardInput(_toks(3, 1), (ctx,), (b.run(3),), stat_segments=(10, 10))])
+    with pytest.raises(InvalidRequestError):
+        runner.copy_rerotated(b.run(5), b.run(6), 3)
