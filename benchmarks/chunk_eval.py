@@ -15,10 +15,11 @@ Protocol, per request, after ``--warmup`` requests that fill the caches (served 
 
 1. Quality: one batch of concurrent requests on the chunk engine, all over the same cache state
    (``store=False``): full recomputation (the reference), then each recompute rule: full reuse with
-   RoPE fixed and no recomputation; a fixed 15% of each reused chunk's tokens (ranked by recorded
-   inter-attention: a CacheBlend-like budget, *not* CacheBlend's own deviation-based selection);
-   each chunk's first 32 tokens (EPIC-style); Cache-Craft's CFO at every ``--alphas`` value, with
-   the quality guard and, at the serving alpha, also without it; every token (recompute share 1).
+   RoPE fixed and no recomputation; CacheBlend-style selection (every reused token through layer 1,
+   then the 15% whose K/V deviate most); each chunk's first 32 tokens (EPIC-style); Cache-Craft's
+   CFO at every ``--alphas`` value with the serving rule's quality guard, and at the serving alpha
+   also without the guard and with Algorithm 1's early termination; every token (share 1).
+   Recompute shares count a token recomputed through l of L layers as l/L.
    Each generates ``--max-tokens`` greedy tokens; we score ROUGE-L F1 of the answer against the
    reference's, whether the first token agrees, and the KL divergence of the first-token
    distribution (reference || rule).
@@ -36,6 +37,7 @@ TTFT means of the chunk engine, the tree alone, no cache and vLLM; the guard's e
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -65,16 +67,29 @@ MiB = 1024 * 1024
 MODEL_DIR = HERE / "models" / "smollm2-135m-bf16"
 
 
-def rules(alphas: list[float], serving_alpha: float, guard: float | None) -> dict[str, RecomputeRule]:
+BLEND = "CacheBlend-style: 15% by K/V deviation at layer 1"
+EPIC = "EPIC-style: first 32 tokens of each chunk"
+NONE = "full reuse (RoPE fixed, no recompute)"
+ALL = "recompute every token"
+
+
+def cfo_name(alpha: float, extra: str = "") -> str:
+    return f"Cache-Craft CFO, alpha {alpha:g}{extra}"
+
+
+def rules(alphas: list[float], serving: RecomputeRule) -> dict[str, RecomputeRule]:
+    """The rules compared on every request; the CFO sweep runs with the serving rule's guard."""
     out = {
-        "full reuse (RoPE fixed, no recompute)": RecomputeRule("none", guard=None),
-        "fixed 15% by inter-attention (CacheBlend-like budget)": RecomputeRule("share", share=0.15, guard=None),
-        "first 32 tokens of each chunk (EPIC-style)": RecomputeRule("leading", leading=32, guard=None),
+        NONE: RecomputeRule("none"),
+        BLEND: RecomputeRule("blend", share=0.15),
+        EPIC: RecomputeRule("leading", leading=32),
     }
     for a in alphas:
-        out[f"Cache-Craft CFO, alpha {a:g}"] = RecomputeRule("cfo", alpha=a, guard=guard)
-    out[f"Cache-Craft CFO, alpha {serving_alpha:g}, no guard"] = RecomputeRule("cfo", alpha=serving_alpha, guard=None)
-    out["recompute every token"] = RecomputeRule("all", guard=None)
+        out[cfo_name(a)] = RecomputeRule("cfo", alpha=a, guard=serving.guard)
+    out[cfo_name(serving.alpha, ", no guard")] = RecomputeRule("cfo", alpha=serving.alpha)
+    out[cfo_name(serving.alpha, ", Algorithm 1 (w=3)")] = RecomputeRule("cfo", alpha=serving.alpha, guard=serving.guard,
+                                                                       focus_window=3)
+    out[ALL] = RecomputeRule("all")
     return out
 
 
@@ -117,11 +132,11 @@ def main() -> None:
     ap.add_argument("--zipf", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--alphas", default="0.1,0.2,0.3,0.5,0.8")
+    ap.add_argument("--alphas", default="0.5,1,2,4,8")
     ap.add_argument("--alpha", type=float, default=None, help="the serving rule's alpha (default: the engine's)")
     ap.add_argument("--guard", type=float, default=None, help="the guard threshold (default: the engine's)")
     ap.add_argument("--model", default=str(MODEL_DIR) if MODEL_DIR.exists() else "")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="bfloat16", help="ours and vLLM's (float32 on CPUs without bf16 arithmetic)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device-mib", type=int, default=512)
     ap.add_argument("--host-mib", type=int, default=2048)
@@ -135,7 +150,7 @@ def main() -> None:
     t0 = time.perf_counter()
     store, wl, items = trace(args)
     print(f"[{time.perf_counter() - t0:6.0f}s] trace: {args.warmup} warm-up + {args.requests} requests, "
-          f"{len(wl.documents)} distinct documents of {len(store)}")
+          f"{len(wl.documents)} distinct documents of {len(store)}", flush=True)
     loaded = load_model(args.model or None, dtype=args.dtype)
     base = dict(dtype=args.dtype, threads=args.threads, device_budget_bytes=args.device_mib * MiB,
                 host_budget_bytes=args.host_mib * MiB, max_batch_size=16)
@@ -148,7 +163,7 @@ def main() -> None:
     tree = RAGCacheEngine(EngineConfig(reuse="exact", **base), loaded=loaded, profile=chunk.profile)
     off = RAGCacheEngine(EngineConfig(enable_cache=False, **base), loaded=loaded, profile=chunk.profile)
     serving = chunk_cfg.recompute_rule()
-    table = rules([float(a) for a in args.alphas.split(",") if a], serving.alpha, serving.guard)
+    table = rules([float(a) for a in args.alphas.split(",") if a], serving)
     one, gen = SamplingParams(max_tokens=1), SamplingParams(max_tokens=args.max_tokens)
     prompts = []
     for question, docs in items[: args.warmup]:
@@ -156,7 +171,7 @@ def main() -> None:
         prompts.append([t for s in segs for t in s.token_ids])
         chunk.submit_segments(segs, one).result()
         tree.submit_segments(segs, one).result()
-    print(f"[{time.perf_counter() - t0:6.0f}s] warm-up done: {chunk.cache.num_variants} chunk variants")
+    print(f"[{time.perf_counter() - t0:6.0f}s] warm-up done: {chunk.cache.num_variants} chunk variants", flush=True)
     records = []
     for n, (question, docs) in enumerate(items[args.warmup:]):
         segs, _ = chunk.segments_for(question, docs, gen, question_first=True)
@@ -187,7 +202,7 @@ def main() -> None:
         rec["serving"] = {"chunk_hits": serve.chunk_hits, "recomputed": serve.recomputed_tokens,
                           "chunk_cached": serve.chunk_cached_tokens, "guarded": serve.guarded_chunks}
         records.append(rec)
-        cc = rec["rules"][f"Cache-Craft CFO, alpha {serving.alpha:g}"]
+        cc = rec["rules"][cfo_name(serving.alpha, ", no guard")]
         print(f"[{time.perf_counter() - t0:6.0f}s] {n + 1}/{args.requests} prompt {ref_res.prompt_tokens} tok: "
               f"computed chunk {serve.computed_tokens} / tree {exact.computed_tokens}; TTFT chunk {serve.ttft_s:.3f} "
               f"tree {exact.ttft_s:.3f} off {cold.ttft_s:.3f}; CFO rouge {cc['rouge_l']:.2f} first {cc['first_token']}",
@@ -195,7 +210,7 @@ def main() -> None:
     res = {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()}, "config": chunk_cfg.model_dump(mode="json"),
            "serving_rule": {"kind": serving.kind, "alpha": serving.alpha, "guard": serving.guard},
            "trace": {"distinct_documents": len(wl.documents), "corpus": len(store), "skew": wl.skew},
-           "variants_at_end": chunk.cache.num_variants, "cache_stats": vars(chunk.cache.stats).copy() if hasattr(chunk.cache.stats, "__dict__") else {},
+           "variants_at_end": chunk.cache.num_variants, "cache_stats": dataclasses.asdict(chunk.cache.stats),
            "records": records}
     if args.vllm:
         res["vllm"] = run_vllm(prompts, args)
@@ -215,7 +230,7 @@ def run_vllm(prompts: list[list[int]], args) -> dict:
     out = (args.json.parent if args.json else Path("bench-results"))
     out.mkdir(parents=True, exist_ok=True)
     try:
-        peer = VLLMPeer(args.threads, (args.device_mib + args.host_mib) * MiB, out)
+        peer = VLLMPeer(args.threads, (args.device_mib + args.host_mib) * MiB, out, dtype=args.dtype)
     except PeerError as exc:
         return {"error": str(exc)}
     try:
@@ -233,23 +248,33 @@ def summarise(res: dict, table: dict, serving: RecomputeRule) -> dict:
     out = {"rules": {}}
     for name in table:
         rows = [r["rules"][name] for r in recs]
+        hit = [x for x in rows if x["chunk_hits"] or x["guarded"]]  # requests where chunk reuse was tried
         reused = sum(x["reused_chunk_tokens"] for x in rows)
         computed = sum(x["computed_tokens"] for x in rows)
+        worst = sorted(x["rouge_l"] for x in rows)[: max(1, math.ceil(0.05 * len(rows)))]
+        devs = sorted(x["deviation"] for x in hit)
         out["rules"][name] = {
             "rouge_l": statistics.mean(x["rouge_l"] for x in rows),
             "first_token_agreement": statistics.mean(x["first_token"] for x in rows),
             "kl": statistics.mean(x["kl"] for x in rows),
+            "requests_with_chunk_reuse": len(hit),
+            "rouge_l_reused": statistics.mean(x["rouge_l"] for x in hit) if hit else float("nan"),
+            "first_token_reused": statistics.mean(x["first_token"] for x in hit) if hit else float("nan"),
             "recompute_share": sum(x["recomputed_tokens"] for x in rows) / reused if reused else 0.0,
             "computed_tokens_mean": computed / len(rows),
             "computed_vs_tree": computed / tree_computed if tree_computed else float("nan"),
-            "worst5_rouge_l": statistics.mean(sorted(x["rouge_l"] for x in rows)[: max(1, math.ceil(0.05 * len(rows)))]),
+            "worst5_rouge_l": statistics.mean(worst),
             "guarded_chunks": sum(x["guarded"] for x in rows),
+            "deviation_p50_p90_max": [devs[len(devs) // 2], devs[int(0.9 * (len(devs) - 1))], devs[-1]] if devs else [],
         }
     ttft = {k: statistics.mean(r["ttft_s"][k] for r in recs) for k in ("chunk", "tree", "no_cache")}
     if "ttft_s" in res.get("vllm", {}):
         ttft["vllm"] = statistics.mean(res["vllm"]["ttft_s"])
     out["ttft_mean_s"] = ttft
     out["computed_tokens_mean"] = {k: statistics.mean(r["computed"][k] for r in recs) for k in ("chunk", "tree", "no_cache")}
+    if "cached_tokens" in res.get("vllm", {}):
+        out["computed_tokens_mean"]["vllm"] = statistics.mean(
+            r["prompt_tokens"] - c for r, c in zip(recs, res["vllm"]["cached_tokens"]))
     out["prompt_tokens_mean"] = statistics.mean(r["prompt_tokens"] for r in recs)
     return out
 
@@ -257,12 +282,17 @@ def summarise(res: dict, table: dict, serving: RecomputeRule) -> dict:
 def report(res: dict, table: dict) -> None:
     s = res["summary"]
     print(f"\n{len(res['records'])} requests, mean prompt {s['prompt_tokens_mean']:.0f} tokens; machine {res['machine']['cpu']}")
-    print(f"{'rule':58s} {'ROUGE-L':>7s} {'first':>6s} {'KL':>7s} {'recomp':>7s} {'computed':>8s} {'vs tree':>7s} {'worst5%':>7s}")
+    print(f"{'rule':52s} {'ROUGE-L':>7s} {'first':>6s} {'KL':>7s} {'n reuse':>7s} {'R-L re':>6s} {'1st re':>6s} "
+          f"{'recomp':>7s} {'computed':>8s} {'vs tree':>7s} {'worst5%':>7s} {'guard':>5s}  deviation p50/p90/max")
     for name, x in s["rules"].items():
-        print(f"{name:58s} {x['rouge_l']:7.3f} {x['first_token_agreement']:6.1%} {x['kl']:7.4f} {x['recompute_share']:7.1%} "
-              f"{x['computed_tokens_mean']:8.0f} {x['computed_vs_tree']:7.2f} {x['worst5_rouge_l']:7.3f}")
+        dev = "/".join(f"{d:.3f}" for d in x["deviation_p50_p90_max"])
+        print(f"{name:52s} {x['rouge_l']:7.3f} {x['first_token_agreement']:6.1%} {x['kl']:7.4f} "
+              f"{x['requests_with_chunk_reuse']:7d} {x['rouge_l_reused']:6.3f} {x['first_token_reused']:6.1%} "
+              f"{x['recompute_share']:7.1%} {x['computed_tokens_mean']:8.0f} {x['computed_vs_tree']:7.2f} "
+              f"{x['worst5_rouge_l']:7.3f} {x['guarded_chunks']:5d}  {dev}")
     t = s["ttft_mean_s"]
     print("mean TTFT (s): " + ", ".join(f"{k} {v:.3f}" for k, v in t.items()))
+    print("mean computed prompt tokens: " + ", ".join(f"{k} {v:.0f}" for k, v in s["computed_tokens_mean"].items()))
     if "vllm" in t:
         print(f"chunk / vLLM = {t['chunk'] / t['vllm']:.2f} (target <= 0.6); chunk / tree = {t['chunk'] / t['tree']:.2f}")
     if "error" in res.get("vllm", {}):
@@ -277,13 +307,12 @@ def plot(res: dict, path: Path, alphas: list[float]) -> None:
 
     rules_ = res["summary"]["rules"]
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
-    xs = [rules_[f"Cache-Craft CFO, alpha {a:g}"]["recompute_share"] for a in alphas]
+    xs = [rules_[cfo_name(a)]["recompute_share"] for a in alphas]
     for i, (key, label) in enumerate((("rouge_l", "ROUGE-L F1"), ("first_token_agreement", "first-token agreement"))):
-        ax[i].plot(xs, [rules_[f"Cache-Craft CFO, alpha {a:g}"][key] for a in alphas], "o-", label="Cache-Craft CFO (alpha sweep)")
+        ax[i].plot(xs, [rules_[cfo_name(a)][key] for a in alphas], "o-", label="Cache-Craft CFO (alpha sweep)")
         for a, x in zip(alphas, xs):
-            ax[i].annotate(f"{a:g}", (x, rules_[f"Cache-Craft CFO, alpha {a:g}"][key]), fontsize=8)
-        for name, marker in (("full reuse (RoPE fixed, no recompute)", "x"), ("fixed 15% by inter-attention (CacheBlend-like budget)", "s"),
-                             ("first 32 tokens of each chunk (EPIC-style)", "^"), ("recompute every token", "D")):
+            ax[i].annotate(f"{a:g}", (x, rules_[cfo_name(a)][key]), fontsize=8)
+        for name, marker in ((NONE, "x"), (BLEND, "s"), (EPIC, "^"), (ALL, "D")):
             ax[i].plot([rules_[name]["recompute_share"]], [rules_[name][key]], marker, label=name)
         ax[i].set_xlabel("recomputed share of reused chunk tokens")
         ax[i].set_ylabel(label)

@@ -109,11 +109,12 @@ class PeerError(RuntimeError):
 class VLLMPeer:
     """``vllm_forward_worker.py`` in vLLM's venv: JSON commands on stdin, one JSON answer line each."""
 
-    def __init__(self, threads: int, kv_bytes: int, out_dir: Path) -> None:
+    def __init__(self, threads: int, kv_bytes: int, out_dir: Path, dtype: str = "bfloat16") -> None:
         if not (VLLM_VENV / ".ok").exists():
             raise PeerError("vLLM is not set up: run `bash benchmarks/setup_peers.sh vllm` (log: benchmarks/logs/setup-vllm.log)")
         job = out_dir / "forward-vllm-job.json"
-        job.write_text(json.dumps({"model_dir": str(MODEL_DIR), "kv_bytes": kv_bytes, "block_size": 32, "max_num_seqs": 4}))
+        job.write_text(json.dumps({"model_dir": str(MODEL_DIR), "kv_bytes": kv_bytes, "block_size": 32, "max_num_seqs": 4,
+                                   "dtype": dtype}))
         self.log = out_dir / "forward-vllm.log"
         env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH="", OMP_NUM_THREADS=str(threads),
                    VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0",

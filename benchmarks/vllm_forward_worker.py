@@ -2,8 +2,8 @@
 
     benchmarks/.venv-vllm/bin/python benchmarks/vllm_forward_worker.py JOB.json
 
-JOB: ``model_dir`` (bf16 HF folder), ``kv_bytes``, ``block_size``, ``max_num_seqs``. One offline
-``vllm.LLM`` (bf16, prefix caching on) serves every measurement. Commands arrive as JSON lines on
+JOB: ``model_dir`` (bf16 HF folder), ``kv_bytes``, ``block_size``, ``max_num_seqs``, optional ``dtype``
+(default ``bfloat16``). One offline ``vllm.LLM`` (prefix caching on) serves every measurement. Commands arrive as JSON lines on
 stdin; each answer is one JSON line on the ORIGINAL stdout (everything else that writes to fd 1,
 vLLM's logs included, is sent to stderr). Every command is timed on the wall clock around
 ``LLM.generate`` and, where vLLM records them, with its engine-core timestamps (``metrics``):
@@ -41,12 +41,12 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     t0 = time.perf_counter()
-    llm = LLM(model=job["model_dir"], dtype="bfloat16", enable_prefix_caching=True, seed=0,
+    llm = LLM(model=job["model_dir"], dtype=job.get("dtype", "bfloat16"), enable_prefix_caching=True, seed=0,
               kv_cache_memory_bytes=int(job["kv_bytes"]), max_model_len=4096, block_size=int(job["block_size"]),
               max_num_seqs=int(job["max_num_seqs"]), max_num_batched_tokens=4096, disable_log_stats=False)
     info = {"vllm": vllm.__version__, "torch": torch.__version__, "startup_s": time.perf_counter() - t0,
             "torch_threads": torch.get_num_threads(), "kv_cache_memory_bytes": int(job["kv_bytes"]),
-            "block_size": int(job["block_size"]), "prefix_caching": True,
+            "block_size": int(job["block_size"]), "prefix_caching": True, "dtype": job.get("dtype", "bfloat16"),
             "env": {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS",
                                                    "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_KVCACHE_SPACE")}}
 

@@ -48,6 +48,7 @@ err = Console(stderr=True)
 #: Canonical dtype and policy names: those :class:`~ragcache_backend.config.EngineConfig` accepts.
 DTYPES = ("float32", "bfloat16", "float16")
 POLICIES = ("pgdsf", "gdsf", "lru", "lfu")
+REUSE_MODES = ("exact", "chunk", "auto")
 #: Short dtype names, as :func:`ragcache_backend.model.loader.parse_dtype` also accepts them.
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -189,7 +190,7 @@ def _quiet_loaders() -> None:
     hf_logging.set_verbosity_error()
 
 
-def engine_config(model: Optional[str], dtype: str, threads: int, policy: str = "pgdsf"):
+def engine_config(model: Optional[str], dtype: str, threads: int, policy: str = "pgdsf", reuse: str = "exact"):
     """The engine configuration, built (and so validated) before the index or the model is loaded."""
     from pydantic import ValidationError
 
@@ -197,7 +198,7 @@ def engine_config(model: Optional[str], dtype: str, threads: int, policy: str = 
     from ragcache_backend.errors import InvalidRequestError
 
     try:
-        return EngineConfig(model=model, dtype=dtype, threads=threads, policy=policy)
+        return EngineConfig(model=model, dtype=dtype, threads=threads, policy=policy, reuse=reuse)
     except ValidationError as exc:  # the options are checked above; this is the safety net
         raise InvalidRequestError(f"invalid engine configuration: {_validation_message(exc)}") from None
 
@@ -224,6 +225,9 @@ DTYPE = _choice_option("float32", "--dtype", NameChoice("dtype", DTYPES, DTYPE_A
                        help="weights and KV dtype (also fp32, bf16, fp16)")
 THREADS = typer.Option(os.cpu_count() or 1, "--threads", min=1, help="torch threads")
 POLICY = _choice_option("pgdsf", "--policy", NameChoice("policy", POLICIES), help="cache replacement policy")
+REUSE = _choice_option("exact", "--reuse", NameChoice("reuse mode", REUSE_MODES),
+                       help="exact: knowledge-tree prefixes only; auto/chunk: documents also from chunk caches at any "
+                            "position (approximate, guarded)")
 CORPUS = typer.Option(None, "--corpus", help="folder of .rst/.txt/.md/.html (default: the Python 3.11 docs)")
 
 
@@ -247,6 +251,7 @@ def ask(
     corpus: Optional[Path] = CORPUS,
     k: int = typer.Option(3, "--k", min=1, help="documents to retrieve"),
     policy: str = POLICY,
+    reuse: str = REUSE,
     max_tokens: int = typer.Option(128, "--max-tokens", min=1),
     as_json: bool = typer.Option(False, "--json", help="print the result as JSON"),
     model: Optional[str] = MODEL,
@@ -261,7 +266,7 @@ def ask(
         if not question.strip():
             raise EmptyQueryError("the question is empty")
         _precheck(corpus, model)
-        config = engine_config(model, dtype, threads, policy)
+        config = engine_config(model, dtype, threads, policy, reuse)
         store = _store(corpus)
         engine = _engine(config, store)
         hits = store.search(question, k)

@@ -40,12 +40,13 @@ class EngineConfig(BaseModel):
     system_prompt: str = Field(DEFAULT_SYSTEM_PROMPT, description="system message, the root segment of the knowledge tree")
     profile_path: Path | None = Field(None, description="prefill profile file; None = under ragcache_home()/profiles")
     reuse: Literal["exact", "chunk", "auto"] = Field("exact", description="exact: knowledge-tree prefixes only (answers identical to no cache); chunk: documents from chunk caches at any position (Cache-Craft), the tree for what precedes the first document; auto: the tree's exact prefix first, chunk caches for the rest")
-    chunk_recompute: Literal["cfo", "all", "none", "leading", "share"] = Field("cfo", description="which tokens of a reused chunk are recomputed: cfo (Cache-Craft), all, none (RoPE fix only), leading (the first chunk_leading tokens, EPIC-style), share (a fixed chunk_share by inter-attention)")
+    chunk_recompute: Literal["cfo", "all", "none", "leading", "share", "blend"] = Field("cfo", description="which tokens of a reused chunk are recomputed: cfo (Cache-Craft), all, none (RoPE fix only), leading (the first chunk_leading tokens, EPIC-style), share (a fixed chunk_share by inter-attention), blend (CacheBlend-style: chunk_share by K/V deviation at layer 1)")
     chunk_alpha: float = Field(1.0, ge=0.0, description="Cache-Craft's alpha (eq. 12): CFO = alpha * CCI * (1 - beta'), the share of a reused chunk's tokens recomputed")
     chunk_share: float = Field(0.15, ge=0.0, le=1.0, description="share of a reused chunk's tokens recomputed under chunk_recompute='share'")
     chunk_leading: int = Field(32, ge=0, description="tokens recomputed at the start of a reused chunk under chunk_recompute='leading'")
     chunk_fresh_above: float = Field(0.6, ge=0.0, le=1.0, description="a chunk whose best variant's CFO is above this is computed in full and kept as a new variant")
     chunk_guard: float | None = Field(0.5, gt=0.0, description="quality guard: a reused chunk whose recomputed tokens' K/V moved by more than this (relative L2, mean over its recomputed tokens and layers) is recomputed in full before the first token; None disables it")
+    chunk_focus_window: int | None = Field(None, ge=1, description="Cache-Craft Algorithm 1: stop recomputing unfocused chunks once the question's focused set is stable for this many layers; None: off")
     chunk_variants_per_chunk: int = Field(4, ge=1, description="M: cached variants kept per chunk (Cache-Craft §3.3)")
     chunk_max_variants: int = Field(1024, ge=1, description="N x M: cached variants kept in total (lowest f_r evicted)")
     chunk_stat_layers: int = Field(6, ge=1, description="layers (evenly spaced) whose attention statistics are recorded for a new variant")
@@ -54,4 +55,5 @@ class EngineConfig(BaseModel):
         """The :class:`~ragcache_backend.cache.chunk_reuse.RecomputeRule` these settings describe."""
         from ragcache_backend.cache.chunk_reuse import RecomputeRule
 
-        return RecomputeRule(self.chunk_recompute, self.chunk_alpha, self.chunk_share, self.chunk_leading, self.chunk_guard)
+        return RecomputeRule(self.chunk_recompute, self.chunk_alpha, self.chunk_share, self.chunk_leading, self.chunk_guard,
+                             self.chunk_focus_window)

@@ -9,7 +9,7 @@ and ``max_retries``, and turns a segmented prompt plus per-call overrides into a
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -24,7 +24,7 @@ from ragcache_integrations._runtime import Generation, default_engine, segmenter
 __all__ = ["CALL_OVERRIDES", "CompletionParams", "RAGCacheParams"]
 
 #: Keyword arguments a single call may pass to override the instance's settings.
-CALL_OVERRIDES = frozenset({"temperature", "max_tokens", "top_p", "seed", "use_cache", "timeout", "model"})
+CALL_OVERRIDES = frozenset({"temperature", "max_tokens", "top_p", "seed", "use_cache", "timeout", "model", "reuse"})
 
 
 class RAGCacheParams(BaseModel):
@@ -56,6 +56,11 @@ class RAGCacheParams(BaseModel):
     use_cache: bool | None = Field(
         default=None,
         description="None = the engine's setting; False = recompute every prompt (the baseline)")
+    reuse: Literal["exact", "chunk", "auto"] | None = Field(
+        default=None,
+        description="None = the engine's setting; exact: reuse only exact prefixes (answers equal those "
+                    "without the cache); auto: also reuse known documents anywhere in the prompt from "
+                    "chunk caches (Cache-Craft; approximate, guarded); chunk: documents from chunk caches only")
     recognizer: DocumentRecognizer | None = Field(
         default=None, exclude=True,
         description="the known documents to recognise in prompts; None = the process-wide one, "
@@ -97,9 +102,12 @@ class RAGCacheParams(BaseModel):
             stop=stops,
             seed=over.get("seed", self.seed),
         )
+        reuse = over.get("reuse", self.reuse)
+        if reuse not in (None, "exact", "chunk", "auto"):
+            raise InvalidRequestError(f"reuse must be 'exact', 'chunk' or 'auto', got {reuse!r}")
         return Generation(self.resolved_engine(), tuple(segments), sampling,
                           use_cache=over.get("use_cache", self.use_cache),
-                          timeout=over.get("timeout", self.timeout), max_retries=self.max_retries)
+                          timeout=over.get("timeout", self.timeout), max_retries=self.max_retries, reuse=reuse)
 
 
 class CompletionParams(RAGCacheParams):

@@ -129,6 +129,7 @@ class Generation:
         use_cache: None = the engine's setting; False = recompute everything (baseline).
         timeout: seconds per attempt; the request is cancelled at its next decode step after that.
         max_retries: further attempts after a transient error.
+        reuse: None = the engine's setting; else ``exact``, ``chunk`` or ``auto``.
     """
 
     engine: RAGCacheEngine
@@ -137,6 +138,7 @@ class Generation:
     use_cache: bool | None = None
     timeout: float | None = None
     max_retries: int = 0
+    reuse: str | None = None
 
     def _retry_kwargs(self, may_retry: Callable[[], bool] = lambda: True) -> dict:
         return dict(
@@ -169,7 +171,7 @@ class Generation:
             timer.start()
         try:
             return self.engine.generate_segments(self.segments, self.sampling, use_cache=self.use_cache,
-                                                 on_text=on_text, cancel=expired)
+                                                 on_text=on_text, cancel=expired, reuse=self.reuse)
         except RequestCancelledError:
             if expired.own_flag():
                 raise GenerationTimeoutError(f"generation exceeded the timeout of {self.timeout} s") from None
@@ -183,7 +185,8 @@ class Generation:
         ``asyncio.gather``) share forward steps. Cancelling the task cancels the request."""
         async for attempt in AsyncRetrying(**self._retry_kwargs()):
             with attempt:
-                call = self.engine.agenerate_segments(self.segments, self.sampling, use_cache=self.use_cache)
+                call = self.engine.agenerate_segments(self.segments, self.sampling, use_cache=self.use_cache,
+                                                      reuse=self.reuse)
                 try:
                     return await asyncio.wait_for(call, self.timeout)
                 except TimeoutError:
@@ -195,7 +198,8 @@ class Generation:
         for attempt in Retrying(**self._retry_kwargs()):
             with attempt:
                 deadline = time.monotonic() + self.timeout if self.timeout else None
-                chunks = self.engine.stream_segments(self.segments, self.sampling, use_cache=self.use_cache)
+                chunks = self.engine.stream_segments(self.segments, self.sampling, use_cache=self.use_cache,
+                                                     reuse=self.reuse)
                 first = self._checked(next(chunks), chunks, deadline)
         try:
             yield first
@@ -209,7 +213,8 @@ class Generation:
         async for attempt in AsyncRetrying(**self._retry_kwargs()):
             with attempt:
                 deadline = time.monotonic() + self.timeout if self.timeout else None
-                chunks = self.engine.astream_segments(self.segments, self.sampling, use_cache=self.use_cache)
+                chunks = self.engine.astream_segments(self.segments, self.sampling, use_cache=self.use_cache,
+                                                      reuse=self.reuse)
                 first = await self._achecked(await anext(chunks), chunks, deadline)
         try:
             yield first

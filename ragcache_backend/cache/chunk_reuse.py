@@ -177,13 +177,17 @@ class RecomputeRule:
             ``all``: every token (the output then equals full recomputation);
             ``none``: no token, only the RoPE re-rotation (full reuse);
             ``leading``: the first ``leading`` tokens of every reused chunk (EPIC-style);
-            ``share``: a fixed ``share`` of tokens by inter-attention.
+            ``share``: a fixed ``share`` of tokens by inter-attention;
+            ``blend``: CacheBlend-style: every token is recomputed through an early layer, where the
+            ``share`` whose K/V deviate most are kept for the remaining layers (selected in the
+            runner: the plan here lists every token).
         alpha: CFO's scale (``cfo``).
         share: the fixed share (``share``), [0, 1].
         leading: tokens (``leading``).
         guard: the quality guard's threshold, or None for no guard: a reused chunk whose recomputed
             tokens' K/V moved by more than this (relative L2, averaged over its recomputed tokens
             and the layers) is recomputed in full before the first token is sampled.
+        focus_window: Algorithm 1's ``w`` (focused-chunk early termination, §3.2.2), or None: off.
     """
 
     kind: str = "cfo"
@@ -191,11 +195,13 @@ class RecomputeRule:
     share: float = 0.15
     leading: int = 32
     guard: float | None = None
+    focus_window: int | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in ("cfo", "all", "none", "leading", "share"):
+        if self.kind not in ("cfo", "all", "none", "leading", "share", "blend"):
             raise ValueError(f"unknown recompute rule {self.kind!r}")
-        if self.alpha < 0 or not 0 <= self.share <= 1 or self.leading < 0 or (self.guard is not None and self.guard <= 0):
+        if (self.alpha < 0 or not 0 <= self.share <= 1 or self.leading < 0 or (self.guard is not None and self.guard <= 0)
+                or (self.focus_window is not None and self.focus_window < 1)):
             raise ValueError(f"bad recompute rule {self}")
 
 
@@ -210,7 +216,7 @@ def choose_with_rule(variants: Sequence[VariantStats], new_prefix: Sequence[str]
     stats, n = choice.stats, choice.stats.length
     if rule.kind == "cfo":
         return choice
-    if rule.kind == "all":
+    if rule.kind in ("all", "blend"):
         picks = tuple(range(n))
     elif rule.kind == "none":
         picks = ()

@@ -23,10 +23,19 @@ from ragcache_backend.cache.chunk_reuse import VariantInfo
 from ragcache_backend.cache.policy import NodeStats
 from ragcache_backend.errors import InvalidRequestError
 
-__all__ = ["TierName", "SegmentKey", "Node", "KnowledgeTree"]
+__all__ = ["TierName", "SegmentKey", "Node", "KnowledgeTree", "approximate_key"]
 
 SegmentKey = NewType("SegmentKey", str)
 """Content hash of a segment's token ids (computed by the caller)."""
+
+_APPROX = "approx:"
+
+
+def approximate_key(key: SegmentKey) -> SegmentKey:
+    """The child key of a segment whose KV is *approximate*: computed over reused chunk caches (or a
+    reused chunk itself). It can never equal a segment's own key, so exact and approximate versions
+    of a segment live side by side and exact matching never reaches an approximate one."""
+    return key if key.startswith(_APPROX) else SegmentKey(_APPROX + key)
 
 
 class TierName(StrEnum):
@@ -57,9 +66,9 @@ class Node:
         serial: creation order, a deterministic tie-breaker.
         variant: set when the node's KV may also serve its segment at other positions and after
             other prefixes (a chunk variant, Cache-Craft §3.3): its recorded statistics, origin
-            position and reuse score. A *detached* variant (computed after reused, approximate
-            KV) hangs from the root under a variant key that no prompt segment has, so exact
-            prefix matching never reaches it.
+            position and reuse score.
+        approximate: the KV was computed over reused chunk caches (or is a reused chunk): its key
+            is :func:`approximate_key` of the segment's, and so are its descendants'.
     """
 
     key: SegmentKey | None
@@ -76,6 +85,7 @@ class Node:
     priority: dict[TierName, float] = field(default_factory=dict)
     serial: int = 0
     variant: VariantInfo | None = None
+    approximate: bool = False
 
     @property
     def is_root(self) -> bool:
@@ -139,12 +149,18 @@ class KnowledgeTree:
             yield node
             stack.extend(reversed(node.children.values()))
 
-    def match_prefix(self, keys: Sequence[SegmentKey]) -> list[Node]:
-        """Longest resident path matching ``keys`` from the root; O(len(result) + 1) lookups."""
+    def match_prefix(self, keys: Sequence[SegmentKey], *, approximate: bool = False) -> list[Node]:
+        """Longest resident path matching ``keys`` from the root; O(len(result) + 1) lookups.
+
+        ``approximate``: where a segment has no exact child, follow its approximate one (and from
+        there on only approximate ones); otherwise approximate nodes are never matched.
+        """
         out: list[Node] = []
         node = self.root
         for key in keys:
-            child = node.children.get(key)
+            child = None if node.approximate else node.children.get(key)
+            if (child is None or not child.resident) and approximate:
+                child = node.children.get(approximate_key(key))
             if child is None or not child.resident:
                 break
             out.append(child)

@@ -119,7 +119,7 @@ class ChunkPiece:
         context: the ids of the segments before it (``context_keys``: unique within the prompt).
         blocks: where its KV is written (request-owned until ``commit`` hands them to a node).
         use: the variant it is served from, or None: computed in full.
-        node: after ``commit``: the node that owns its KV (tree node or detached variant), else None.
+        node: after ``commit``: the tree node that owns its KV (exact or approximate), else None.
     """
 
     spec: ChunkSpec
@@ -155,8 +155,13 @@ class ChunkLease:
 
     @property
     def cached_tokens(self) -> int:
-        """Prompt tokens served exactly from the tree."""
+        """Prompt tokens served from the tree's prefix (exact and approximate nodes)."""
         return sum(n.num_tokens for n in self.prefix)
+
+    @property
+    def approximate_prefix_tokens(self) -> int:
+        """The part of ``cached_tokens`` from approximate nodes (chunk reuse by earlier requests)."""
+        return sum(n.num_tokens for n in self.prefix if n.approximate)
 
     @property
     def reused_tokens(self) -> int:

@@ -21,13 +21,15 @@ policy (:mod:`ragcache_backend.cache.policy`, PGDSF by default) with one logical
 This module never touches tensors: a :class:`KVMover` supplied by the runner copies KV between
 tiers. Not thread-safe by design: callers serialize access (one scheduler thread).
 
-Chunk-cache mode (Cache-Craft §3) uses the same tiers and budgets: a chunk *variant* is a node with
-:class:`~ragcache_backend.cache.chunk_reuse.VariantInfo` (a tree node computed in chunk mode, or a
-*detached* node under the root for a chunk computed after approximate context). ``admit_chunks``
-serves a request's exact prefix from the tree and picks, for each later document, the variant with
-the lowest CFO; ``commit_chunks`` inserts what was computed exactly as tree nodes and the other
-fresh chunks as detached variants; ``finish`` releases either kind of lease. Variants are capped
-per chunk (M) and in total (N x M), evicting the lowest reuse score ``f_r`` (§3.3); memory pressure
+Chunk-cache mode (Cache-Craft §3) uses the same tiers and budgets: a chunk *variant* is a tree node
+with :class:`~ragcache_backend.cache.chunk_reuse.VariantInfo` (a document computed in chunk mode).
+``admit_chunks`` serves a request's longest prefix from the tree and picks, for each later
+document, the variant with the lowest CFO; ``commit_chunks`` inserts every segment the request
+computed or fixed: as exact nodes while everything before it was exact, then as *approximate*
+nodes (:func:`~ragcache_backend.cache.knowledge_tree.approximate_key`), which only chunk-mode
+requests may match (an exact repeat of the prompt then reuses all of it, as the first answer did)
+and exact requests never see; ``finish`` releases either kind of lease. Variants are capped per
+chunk (M) and in total (N x M), evicting the lowest reuse score ``f_r`` (§3.3); memory pressure
 evicts them like any node, by the tier's policy.
 
 A request uses three calls (the engine, the policy replay and the tests all go through them):
@@ -50,7 +52,7 @@ from typing import Protocol, TypeAlias
 
 from ragcache_backend.cache.blocks import BlockAllocator, blocks_for
 from ragcache_backend.cache.chunk_reuse import RecomputeRule, VariantInfo, VariantStats, choose_with_rule, context_keys
-from ragcache_backend.cache.knowledge_tree import KnowledgeTree, Node, SegmentKey, TierName
+from ragcache_backend.cache.knowledge_tree import KnowledgeTree, Node, SegmentKey, TierName, approximate_key
 from ragcache_backend.cache.lease import ChunkLease, ChunkPiece, ChunkSpec, Lease, PendingSegment, SegmentSpec, VariantUse
 from ragcache_backend.errors import CacheBudgetError, InvalidRequestError
 from ragcache_backend.cache.policy import get_policy
@@ -119,7 +121,7 @@ class CacheStats:
     swap_ins: int = 0  # host -> device copies
     copy_s: float = 0.0  # seconds spent in KV copies between tiers (swap out + swap in)
     variant_hits: int = 0  # chunks served from a cached variant (approximate hits)
-    variants_added: int = 0  # chunk variants recorded (tree nodes and detached)
+    variants_added: int = 0  # chunk variants recorded
     variant_evictions: int = 0  # variants dropped by the per-chunk or total cap (lowest f_r)
 
 
@@ -341,10 +343,10 @@ class TieredCache:
                      rule: RecomputeRule, fresh_above: float = 1.0) -> ChunkLease | None:
         """Admit a chunk-mode request (Cache-Craft §3.4.1's recomputation planning).
 
-        The first ``exact_upto`` segments may be served exactly from the knowledge tree (the longest
-        resident prefix); every later segment gets its own blocks, and each later document whose
-        chunk has variants is served from the one with the lowest CFO for this context (eq. 12),
-        locked and brought to device to be copied from.
+        The first ``exact_upto`` segments may be served from the knowledge tree (the longest
+        resident prefix, approximate nodes included); every later segment gets its own blocks, and
+        each later document whose chunk has variants is served from the one with the lowest CFO for
+        this context (eq. 12), locked and brought to device to be copied from.
 
         Args:
             specs: the request's lead segments, in prompt order.
@@ -371,7 +373,7 @@ class TieredCache:
             raise CacheBudgetError(
                 f"the request needs {need} device blocks ({need * self.block_size} tokens of KV: prompt + max_tokens) "
                 f"but the device arena holds only {self._alloc.num_blocks}; raise the device budget or shorten it")
-        acq = self.acquire(self.match([s.key for s in specs[: max(0, exact_upto)]]))
+        acq = self.acquire(self.match([s.key for s in specs[: max(0, exact_upto)]], approximate=True))
         prefix = list(acq.nodes)
         keys = context_keys([s.key for s in specs])
         start = acq.cached_tokens
@@ -382,7 +384,7 @@ class TieredCache:
             use = None
             if spec.chunk and keys[i] == spec.key:  # a document's first occurrence in the prompt
                 use = self._plan_variant(spec, keys[:i], start, rule, prefix + sources)
-            if use is not None and use.cfo > fresh_above:
+            if use is not None and rule.kind == "cfo" and use.cfo > fresh_above:
                 use = None
             if use is not None:
                 on_device = use.node.in_device
@@ -443,9 +445,10 @@ class TieredCache:
         return True
 
     def commit_chunks(self, lease: ChunkLease, rest_tokens: int, stats: Sequence[VariantStats | None]) -> None:
-        """After a successful prefill: segments computed over exact context become tree nodes, fresh
-        documents computed after reused (approximate) KV become detached variants, each with its
-        recorded statistics; reused variants gain ``f_r += 1 / CFO``; the copy sources are unlocked.
+        """After a successful prefill: every piece becomes a tree node (its blocks change owner):
+        exact while everything before it was exact, approximate from the first reused chunk (or
+        approximate prefix node) on. Fresh documents become variants with their recorded
+        statistics; reused variants gain ``f_r += 1 / CFO``; the copy sources are unlocked.
 
         Args:
             lease: from :meth:`admit_chunks`, not yet committed.
@@ -459,34 +462,34 @@ class TieredCache:
             raise InvalidRequestError("a lease is committed once, before it is released")
         if len(stats) != len(lease.pieces):
             raise InvalidRequestError(f"{len(stats)} statistics for {len(lease.pieces)} pieces")
-        exact = True
+        approx = any(n.approximate for n in lease.prefix)
         parent = lease.prefix[-1] if lease.prefix else None
         touched = list(lease.prefix)
         computed = [False] * len(touched)
         added: list[tuple[Node, VariantInfo]] = []
+        inserting = True
         for piece, st in zip(lease.pieces, stats):
             if piece.use is not None:
-                exact = False
+                approx = True
                 piece.use.node.variant.reuse_score += 1.0 / max(piece.use.cfo, 1e-3)
                 touched.append(piece.use.node)
                 computed.append(False)
+            key = approximate_key(piece.spec.key) if approx else piece.spec.key
+            holder = self._tree.root if parent is None else parent
+            if approx and key in holder.children:
+                # another approximation of this path is cached already: this request keeps its own KV
+                # (it decodes over what it prefilled), and nothing below can hang from the tree
+                inserting = False
+            if not inserting:
                 continue
-            first = piece.spec.chunk and piece.spec.key not in piece.context  # a repeat in the prompt is no variant
-            info = VariantInfo(st, piece.start, self.variant_fingerprint) if st is not None and first else None
-            if exact:
-                node = self.insert(parent, piece.spec.key, piece.spec.num_tokens, piece.blocks)
-                parent = node
-            elif info is not None:
-                node = self._insert_detached(piece)
-            else:
-                continue
-            if node is None:
-                continue
-            piece.node, piece.blocks = node, list(node.device_blocks or ())
+            node = self.insert(parent, key, piece.spec.num_tokens, piece.blocks)
+            node.approximate = approx
+            piece.node, piece.blocks, parent = node, list(node.device_blocks or ()), node
             touched.append(node)
             computed.append(True)
-            if info is not None:
-                added.append((node, info))
+            first = piece.spec.chunk and piece.spec.key not in piece.context  # a repeat in the prompt is no variant
+            if st is not None and first and piece.use is None and node.variant is None:
+                added.append((node, VariantInfo(st, piece.start, self.variant_fingerprint)))
         sources, lease.sources = lease.sources, []
         self.release(sources)
         lease.committed = True
@@ -495,23 +498,6 @@ class TieredCache:
             self.record_request(touched, computed, lease.cached_tokens + lease.reused_tokens, max(beta, 1))
         for node, info in added:
             self.add_variant(node, info)
-
-    def _insert_detached(self, piece: ChunkPiece) -> Node | None:
-        """A fresh chunk computed after approximate context becomes a root child under a variant
-        key (never a prompt segment's key); None when that variant already exists (the request
-        keeps its blocks)."""
-        digest = hashlib.sha256(b"ragcache-variant-v1")
-        digest.update("|".join((piece.spec.key, *piece.context)).encode())
-        key = SegmentKey("variant:" + digest.hexdigest()[:32])
-        if key in self._tree.root.children:
-            return None
-        ids = list(piece.blocks)
-        node = self._tree.add_child(self._tree.root, key, piece.spec.num_tokens)
-        self._lock(node)
-        self._request_blocks.difference_update(ids)
-        node.device_blocks = ids
-        self._set_priority(node, DEVICE)
-        return node
 
     def _enforce_variant_caps(self, keep: Node) -> None:
         """Evict the lowest-``f_r`` unlocked leaf variants until the chunk of ``keep`` has at most M
@@ -556,9 +542,10 @@ class TieredCache:
             self.free(tail)
 
     # ----------------------------------------------------------------- lower-level calls
-    def match(self, keys: Sequence[SegmentKey]) -> MatchResult:
-        """Longest resident prefix of ``keys`` (O(depth)); changes nothing."""
-        nodes = tuple(self._tree.match_prefix(keys))
+    def match(self, keys: Sequence[SegmentKey], *, approximate: bool = False) -> MatchResult:
+        """Longest resident prefix of ``keys`` (O(depth)); changes nothing. ``approximate``: may
+        follow approximate nodes (chunk modes only)."""
+        nodes = tuple(self._tree.match_prefix(keys, approximate=approximate))
         return MatchResult(nodes, tuple(n.tiers[0] for n in nodes), sum(n.num_tokens for n in nodes))
 
     def acquire(self, match: MatchResult) -> AcquiredPrefix:

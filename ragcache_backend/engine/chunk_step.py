@@ -22,10 +22,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ragcache_backend.cache.chunk_reuse import SINK_TOKENS, VariantStats, context_keys, stats_from_mass
+from ragcache_backend.cache.chunk_reuse import SINK_TOKENS, RecomputeRule, VariantStats, context_keys, stats_from_mass
 from ragcache_backend.cache.lease import ChunkLease
+from ragcache_backend.model.chunk_rows import BlendSelection, FocusSelection
 from ragcache_backend.model.runner import MAX_STAT_SEGMENTS, ForwardInput, KVRun, ModelRunner, SegmentAttention
-from ragcache_backend.prompts.builder import PromptPlan
+from ragcache_backend.prompts.builder import PromptPlan, SegmentKind
 
 __all__ = ["ChunkLayout", "build_input", "chunk_deviations", "context_runs", "copy_variants", "guard_flags", "variant_stats"]
 
@@ -71,14 +72,16 @@ def copy_variants(lease: ChunkLease, runner: ModelRunner) -> None:
             runner.copy_rerotated(src, KVRun(tuple(piece.blocks), 0, piece.spec.num_tokens), piece.use.delta)
 
 
-def build_input(plan: PromptPlan, lease: ChunkLease, *, guard: bool, full: frozenset[int] = frozenset()) -> tuple[ForwardInput, ChunkLayout]:
+def build_input(plan: PromptPlan, lease: ChunkLease, *, rule: RecomputeRule, guard: bool = True,
+                full: frozenset[int] = frozenset()) -> tuple[ForwardInput, ChunkLayout]:
     """The forward input of a chunk-mode prefill (after :func:`copy_variants`).
 
     Args:
         plan: the request's prompt plan (its lead segments match the lease's prefix + pieces).
         lease: the admitted lease.
-        guard: ask for the KV deviation of the computed tokens.
-        full: indices of reused pieces to recompute in full (the guard's second pass).
+        rule: the recompute rule (its guard, CacheBlend-style selection and Algorithm 1 window).
+        guard: ask for the KV deviation when the rule has a guard (False for the guard's own pass).
+        full: indices of reused pieces to recompute in full (the guard's second pass: no row stops).
 
     Returns:
         the input and its :class:`ChunkLayout`.
@@ -109,11 +112,56 @@ def build_input(plan: PromptPlan, lease: ChunkLease, *, guard: bool, full: froze
     if not any(recorded) or len(stat_lengths) > MAX_STAT_SEGMENTS:
         recorded, stat_keys, stat_lengths = (False,) * len(lease.pieces), (), []
     runs = context_runs(lease, len(plan.rest))
-    item = ForwardInput(tuple(new_tokens), runs, (), positions=tuple(positions),
-                        stat_segments=tuple(stat_lengths) if stat_keys else None, guard=guard)
+    blend = focus = None
+    reused = [i for i, p in enumerate(lease.pieces) if p.use is not None and i not in full and rows[i]]
+    if not full and reused and rule.kind == "blend":
+        blend = BlendSelection(tuple(rows[i] for i in reused), rule.share, layer=1)
+    elif not full and reused and rule.focus_window is not None:
+        focus = _focus(lead, lease, rows, len(new_tokens), rule.focus_window)
+    stats = tuple(stat_lengths) if stat_keys else None
+    guarded = guard and rule.guard is not None
+    if len(positions) == pos + len(plan.rest) - lease.cached_tokens and blend is None and focus is None:
+        # every token past the prefix is computed through every layer: an ordinary prefill over the
+        # prefix, which takes the causal kernels instead of a masked one
+        item = ForwardInput(tuple(new_tokens), runs[:n_prefix], runs[n_prefix:], stat_segments=stats, guard=guarded)
+    else:
+        item = ForwardInput(tuple(new_tokens), runs, (), positions=tuple(positions), stat_segments=stats,
+                            guard=guarded, blend=blend, focus=focus)
     layout = ChunkLayout(tuple(rows), recorded, stat_keys, tuple(stat_lengths), skip,
                          tuple(skip + n_prefix + i for i in range(len(lease.pieces))))
     return item, layout
+
+
+def _focus(lead, lease: ChunkLease, rows: list[tuple[int, ...]], num_rows: int, window: int) -> FocusSelection | None:
+    """Algorithm 1's input: every document's span, the stoppable rows of the reused ones, and the
+    rows after the last document as the question (they attend to every chunk); None with fewer
+    than three documents (the algorithm needs a gap between two groups)."""
+    n_prefix, spans, groups, pos = len(lease.prefix), [], [], 0
+    last_doc_row = -1
+    for i, seg in enumerate(lead):
+        if seg.kind is SegmentKind.DOCUMENT:
+            spans.append((pos, pos + len(seg)))
+            j = i - n_prefix
+            piece_rows = rows[j] if j >= 0 else ()
+            groups.append(piece_rows if j >= 0 and lease.pieces[j].use is not None else ())
+            if j >= 0 and piece_rows:
+                last_doc_row = max(last_doc_row, piece_rows[-1])
+        pos += len(seg)
+    question = tuple(range(last_doc_row + 1, num_rows))
+    if len(spans) < 3 or not question:
+        return None
+    return FocusSelection(tuple(spans), tuple(groups), question, window)
+
+
+def recomputed_tokens(lease: ChunkLease, layout: ChunkLayout, depth: Sequence[int] | None, num_layers: int) -> int:
+    """Tokens of reused chunks recomputed, in full-depth equivalents: a token recomputed through
+    ``l`` of ``L`` layers (CacheBlend-style selection, Algorithm 1) counts ``l / L``."""
+    total = 0.0
+    for piece, rows in zip(lease.pieces, layout.rows):
+        if piece.use is None:
+            continue
+        total += sum(depth[r] for r in rows) / num_layers if depth is not None else len(rows)
+    return round(total)
 
 
 def variant_stats(lease: ChunkLease, layout: ChunkLayout, attention: SegmentAttention | None) -> list[VariantStats | None]:

@@ -709,7 +709,7 @@ class RAGCacheEngine:
             t0 = time.perf_counter()
             chunk_step.copy_variants(lease, self.runner)
             req.handle.metrics.kv_copy_s += time.perf_counter() - t0
-            item, req.layout = chunk_step.build_input(req.plan, lease, guard=req.recompute.guard is not None)
+            item, req.layout = chunk_step.build_input(req.plan, lease, rule=req.recompute)
             return item
         cached = tuple(KVRun(tuple(n.device_blocks or ()), 0, n.num_tokens) for n in lease.path[: lease.reused])
         target = [KVRun(tuple(p.blocks), 0, p.spec.num_tokens) for p in lease.pending]
@@ -753,20 +753,21 @@ class RAGCacheEngine:
         A reused chunk whose recomputed tokens moved too far (the quality guard) is recomputed in
         full, with everything after it, in a second forward of this request alone."""
         lease, layout = req.lease, req.layout
-        logits, attention = out.logits[index], out.attention[index]
+        logits, attention, depth = out.logits[index], out.attention[index], out.depth[index]
         deviations = chunk_step.chunk_deviations(lease, layout, out.deviation[index])
         req.deviation = max(deviations.values(), default=0.0)
         flagged = chunk_step.guard_flags(deviations, req.recompute.guard)
         if flagged:
-            item, layout = chunk_step.build_input(req.plan, lease, guard=False, full=flagged)
+            item, layout = chunk_step.build_input(req.plan, lease, rule=req.recompute, guard=False, full=flagged)
             again = self.runner.forward_step([item])
-            logits, attention = again.logits[0], again.attention[0]
+            logits, attention, depth = again.logits[0], again.attention[0], again.depth[0]
             for i in flagged:  # computed in full now: no longer served from a variant
                 lease.pieces[i].use = None
             req.guarded = len(flagged)
-        req.recomputed = lease.recomputed_tokens
-        req.chunk_cached = lease.reused_tokens
-        req.computed = req.prompt_tokens - lease.cached_tokens - lease.reused_tokens
+        req.recomputed = chunk_step.recomputed_tokens(lease, layout, depth, self.runner.num_layers)
+        req.chunk_cached = (lease.approximate_prefix_tokens - req.recomputed
+                            + sum(p.spec.num_tokens for p in lease.pieces if p.use is not None))
+        req.computed = req.prompt_tokens - lease.cached_tokens - req.chunk_cached
         if req.store:
             self.cache.commit_chunks(lease, req.rest_tokens, chunk_step.variant_stats(lease, layout, attention))
         return logits

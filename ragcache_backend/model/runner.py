@@ -21,9 +21,10 @@ The runner also implements :class:`ragcache_backend.cache.tiers.KVMover` (swap o
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -35,10 +36,9 @@ from ragcache_backend.model.kernels import (
     attention_over_prefix,
     attention_plan,
     native,
-    position_mask,
     rope_cos_sin,
-    segment_attention_mass,
 )
+from ragcache_backend.model.chunk_rows import BlendSelection, ChunkRows, FocusSelection
 from ragcache_backend.model.kernels.linear import Linear, pack_linear
 from ragcache_backend.model.loader import LoadedModel
 
@@ -77,10 +77,14 @@ class ForwardInput:
             recomputation: the other positions hold reused KV).
         stat_segments: lengths (tokens) of consecutive context segments, summing to the context
             length, or None. When given, every new token's attention mass to each segment is
-            recorded (Cache-Craft eq. 3-4), averaged over heads and the runner's ``stat_layers``
-            (:attr:`StepOutput.attention`). At most 64 segments.
+            recorded (Cache-Craft eq. 3-4), averaged over the runner's ``stat_layers`` and one query
+            head per KV head (:attr:`StepOutput.attention`). At most 64 segments.
         guard: measure, for every new token, how far its new K/V moved from the values its slot
             held before the write (:attr:`StepOutput.deviation`; the quality guard's signal).
+        blend: stop most reused-chunk rows after an early layer, keeping those whose K/V deviate
+            most (CacheBlend-style selection; :class:`~ragcache_backend.model.chunk_rows.BlendSelection`).
+        focus: stop the recomputed rows of chunks the question does not focus on, once Algorithm 1
+            decides (:class:`~ragcache_backend.model.chunk_rows.FocusSelection`).
     """
 
     new_tokens: tuple[int, ...]
@@ -90,6 +94,8 @@ class ForwardInput:
     positions: tuple[int, ...] | None = None
     stat_segments: tuple[int, ...] | None = None
     guard: bool = False
+    blend: BlendSelection | None = None
+    focus: FocusSelection | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -98,8 +104,8 @@ class SegmentAttention:
 
     Attributes:
         mass: per new token (in ``new_tokens`` order), per segment of ``stat_segments``: the
-            softmax weight it gave that segment's keys, averaged over query heads and layers; each
-            row sums to 1 (float32 arithmetic).
+            softmax weight it gave that segment's keys, averaged over the recorded layers and one
+            query head of each KV group (the first); each row sums to 1 (float32 arithmetic).
     """
 
     mass: tuple[tuple[float, ...], ...]
@@ -114,34 +120,46 @@ class StepOutput:
         attention: :class:`SegmentAttention` where the input asked for ``stat_segments``, else None.
         deviation: where the input asked for ``guard``: per new token, the relative change of its
             K and V from the values its slot held before the write, ``||new - old|| / ||old||``
-            averaged over layers (0 for a slot that held zeros); else None.
+            averaged over the layers it was computed in (0 for a slot that held zeros); else None.
+        depth: per sequence with ``blend`` or ``focus``, the layers each new token was computed in
+            (``num_layers`` unless it stopped part-way); None otherwise.
+        focus_layer: per sequence, ``L*``: the layers after which Algorithm 1 decided (0: it did not).
     """
 
     logits: list[torch.Tensor]
     attention: list[SegmentAttention | None]
     deviation: list[tuple[float, ...] | None]
+    depth: list[tuple[int, ...] | None] = field(default_factory=list)
+    focus_layer: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Step:
+    """One forward step's row bookkeeping, updated when rows stop part-way (runner-internal)."""
+
+    lengths: list[int]  # rows per sequence now
+    write: torch.Tensor  # [N] slots
+    positions: torch.Tensor  # [N]
+    cached_slots: list  # ordinary sequences' cached context (None: cold, or explicit positions)
+    modes: list  # ordinary sequences' attention plans (None: explicit positions)
+    context: list  # ordinary sequences' whole context (native kernel)
+    decode: list[bool]
+    chunks: list  # ChunkRows
+    native_batch: object | None = None  # the native kernel's batch over the ordinary sequences
+    native_rows: torch.Tensor | None = None  # their rows in the step (None: every row is theirs)
+    rope: dict = field(default_factory=dict)  # dtype -> (cos, sin) for ``positions``
+
+    @property
+    def offsets(self) -> list[int]:
+        out = [0]
+        for n in self.lengths:
+            out.append(out[-1] + n)
+        return out
 
 
 MAX_STAT_SEGMENTS = 64
 """Most attention-statistics segments one sequence may ask for."""
 
-
-@dataclass(slots=True)
-class _ChunkSeq:
-    """Per-layer working data of one sequence with explicit positions, statistics or a guard."""
-
-    index: int  # position in the batch
-    lo: int  # its rows in the step
-    hi: int
-    context: torch.Tensor  # [S] slots, position order
-    positions: torch.Tensor  # [T] int64
-    write: torch.Tensor  # [T] slots
-    bias: torch.Tensor | None  # additive [T, S] mask (explicit positions only)
-    segments: torch.Tensor | None  # [S] int64 segment ids
-    num_segments: int
-    mass: torch.Tensor | None  # [T, nseg] float32, summed over heads and layers
-    guard: bool
-    deviation: torch.Tensor | None  # [T] float32, summed over layers
 
 @dataclass(slots=True)
 class HostKV:
@@ -330,199 +348,212 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_step(self, batch: Sequence[ForwardInput], *, all_logits: bool = False) -> StepOutput:
-        """:meth:`forward` with the chunk-cache extras (attention statistics, KV deviation).
+        """:meth:`forward` with the chunk-cache extras (attention statistics, KV deviation, rows
+        that stop part-way).
 
         Raises:
             InvalidRequestError: an empty sequence, target runs that do not match ``new_tokens``,
                 positions that are not ascending inside the context, statistics segments that do not
-                cover the context (or more than :data:`MAX_STAT_SEGMENTS`).
+                cover the context (or more than :data:`MAX_STAT_SEGMENTS`), bad row selections, or
+                ``all_logits`` with row selections.
         """
         lengths = [len(item.new_tokens) for item in batch]
         if not batch or min(lengths) < 1:
             raise InvalidRequestError("forward needs at least one sequence with at least one new token")
-        cached_slots, new_slots, positions, modes, context, chunk_seqs = [], [], [], [], [], []
-        row = 0
+        if all_logits and any(item.blend or item.focus for item in batch):
+            raise InvalidRequestError("all_logits cannot be combined with rows that stop part-way")
+        st = _Step(list(lengths), torch.empty(0), torch.empty(0), [], [], [], [item.decode for item in batch], [])
+        new_slots, positions, row = [], [], 0
         for idx, (item, n) in enumerate(zip(batch, lengths)):
             cached = self.slots(item.cached)
-            if item.positions is not None:
-                seq = self._chunk_seq(idx, row, item, cached)
-                chunk_seqs.append(seq)
-                cached_slots.append(None)
-                new_slots.append(seq.write)
-                positions.append(seq.positions)
-                modes.append(None)
-                context.append(None)
-                row += n
-                continue
-            target = self.slots(item.target)
-            if target.numel() != n:
-                raise InvalidRequestError(f"target runs hold {target.numel()} slots for {n} new tokens")
-            cached_slots.append(cached if cached.numel() else None)
-            new_slots.append(target)
-            start = cached.numel()
-            positions.append(torch.arange(start, start + n, device=self.device))
-            modes.append(attention_plan(start, n, self.dtype, self.device, decode=item.decode))
-            ctx = torch.cat((cached, target)) if cached.numel() else target
-            context.append(ctx)
-            if item.stat_segments is not None or item.guard:
-                chunk_seqs.append(self._chunk_seq(idx, row, item, ctx, positions[-1]))
+            explicit = item.positions is not None
+            if explicit:
+                if item.target or item.decode:
+                    raise InvalidRequestError("a sequence with explicit positions has no target runs and is not a decode step")
+                pos = torch.tensor(item.positions, dtype=torch.int64)
+                if pos.numel() != n or int(pos.min()) < 0 or int(pos.max()) >= cached.numel() or bool((pos.diff() <= 0).any()):
+                    raise InvalidRequestError(f"{n} new tokens need ascending positions inside a context of {cached.numel()} tokens")
+                ctx, pos = cached, pos.to(self.device)
+                st.cached_slots.append(None)
+                st.modes.append(None)
+                st.context.append(None)
+            else:
+                target = self.slots(item.target)
+                if target.numel() != n:
+                    raise InvalidRequestError(f"target runs hold {target.numel()} slots for {n} new tokens")
+                start = cached.numel()
+                pos = torch.arange(start, start + n, device=self.device)
+                ctx = torch.cat((cached, target)) if cached.numel() else target
+                st.cached_slots.append(cached if cached.numel() else None)
+                st.modes.append(attention_plan(start, n, self.dtype, self.device, decode=item.decode))
+                st.context.append(ctx)
+            if explicit or item.stat_segments is not None or item.guard or item.blend or item.focus:
+                blend = item.blend
+                if blend is not None and blend.layer > self.num_layers - 2:  # rows must stop before the last layer
+                    blend = dataclasses.replace(blend, layer=max(0, self.num_layers - 2))
+                chunk = ChunkRows.create(idx, row, n, ctx, pos, explicit, item.stat_segments, item.guard, blend,
+                                         item.focus, self.dtype, MAX_STAT_SEGMENTS)
+                st.chunks.append(chunk)
+                new_slots.append(chunk.write)
+            else:
+                new_slots.append(ctx[ctx.numel() - n:])
+            positions.append(pos)
             row += n
+        st.write, st.positions = torch.cat(new_slots), torch.cat(positions)
+        self._native_plan(st)
         ids = torch.tensor([t for item in batch for t in item.new_tokens], dtype=torch.int64, device=self.device)
-        write = torch.cat(new_slots)
-        offsets = [0]
-        for n in lengths:
-            offsets.append(offsets[-1] + n)
         h = self._embed(ids)  # [N, hidden]
-        rows = torch.arange(offsets[-1]) if all_logits else torch.tensor(offsets[1:]) - 1
-        rows = rows.to(self.device)
-        explicit = {seq.index for seq in chunk_seqs if seq.bias is not None}
-        step = None
-        if self.native_attention:
-            plain = [i for i in range(len(batch)) if i not in explicit]
-            if plain:
-                step = (native.attention_batch([context[i] for i in plain], [lengths[i] for i in plain],
-                                               [batch[i].decode for i in plain]),
-                        None if len(plain) == len(batch) else
-                        torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in plain]))
         if self.native_fused:
-            normed = self._layers_fused(h, write, step, torch.cat(positions), chunk_seqs).index_select(0, rows)
+            normed = self._layers_fused(h, st)
         else:
-            cos, sin = rope_cos_sin(self._inv_freq, torch.cat(positions), attention_scaling=self._rope_scaling, dtype=self.dtype)
             for layer_idx in range(self.num_layers):
-                h = self._layer(layer_idx, h, cos, sin, write, cached_slots, offsets, modes, step, chunk_seqs)
-            normed = self._norm(h.index_select(0, rows))
+                h = self._layer(layer_idx, h, st)
+                h = self._stop_rows(st, layer_idx, h)[0]
+            normed = h
+        offsets = st.offsets
+        rows = torch.arange(offsets[-1]) if all_logits else torch.tensor(offsets[1:]) - 1
+        normed = normed.index_select(0, rows.to(self.device))
+        if not self.native_fused:
+            normed = self._norm(normed)
         logits = self._lm_head(normed).float()
         per_seq = [logits[offsets[i] : offsets[i + 1]] for i in range(len(batch))] if all_logits else list(logits)
-        attention_out: list[SegmentAttention | None] = [None] * len(batch)
-        deviation_out: list[tuple[float, ...] | None] = [None] * len(batch)
-        for seq in chunk_seqs:
-            if seq.mass is not None:
-                mass = seq.mass / (len(self.stat_layers) * self.num_heads)
-                attention_out[seq.index] = SegmentAttention(tuple(tuple(r) for r in mass.tolist()))
-            if seq.deviation is not None:
-                deviation_out[seq.index] = tuple((seq.deviation / self.num_layers).tolist())
-        return StepOutput(per_seq, attention_out, deviation_out)
+        out = StepOutput(per_seq, [None] * len(batch), [None] * len(batch), [None] * len(batch), [0] * len(batch))
+        for c in st.chunks:
+            if c.mass is not None:
+                mass = c.mass / (len(self.stat_layers) * self.num_kv_heads)  # one query head per KV head
+                out.attention[c.index] = SegmentAttention(tuple(tuple(r) for r in mass.tolist()))
+            if c.guard:
+                out.deviation[c.index] = tuple((c.deviation / c.dev_layers.clamp_min(1)).tolist())
+            if c.blend is not None or c.focus is not None:
+                out.depth[c.index] = tuple(c.stopped.get(r, self.num_layers) for r in range(lengths[c.index]))
+            out.focus_layer[c.index] = c.focus_layer
+        return out
 
-    def _chunk_seq(self, idx: int, row: int, item: ForwardInput, context: torch.Tensor,
-                   positions: torch.Tensor | None = None) -> _ChunkSeq:
-        """Validate and prepare a sequence with explicit positions, statistics or a guard."""
-        n, s = len(item.new_tokens), context.numel()
-        bias = None
-        if positions is None:  # explicit positions: the context is given whole
-            if item.target or item.decode:
-                raise InvalidRequestError("a sequence with explicit positions has no target runs and is not a decode step")
-            pos = torch.tensor(item.positions, dtype=torch.int64)
-            if pos.numel() != n or int(pos.min()) < 0 or int(pos.max()) >= s or bool((pos.diff() <= 0).any()):
-                raise InvalidRequestError(f"{n} new tokens need ascending positions inside a context of {s} tokens")
-            positions = pos.to(self.device)
-            mask = position_mask(pos, s)
-            bias = torch.zeros(mask.shape, dtype=self.dtype).masked_fill_(~mask, float("-inf")).to(self.device)
-        segments, nseg, mass = None, 0, None
-        if item.stat_segments is not None:
-            lens = item.stat_segments
-            if sum(lens) != s or min(lens, default=0) < 1 or len(lens) > MAX_STAT_SEGMENTS:
-                raise InvalidRequestError(f"statistics segments {list(lens)} must cover the {s}-token context, "
-                                          f"each >= 1 token, at most {MAX_STAT_SEGMENTS}")
-            nseg = len(lens)
-            segments = torch.repeat_interleave(torch.arange(nseg), torch.tensor(lens)).to(self.device)
-            mass = torch.zeros(n, nseg, dtype=torch.float32, device=self.device)
-        write = context.index_select(0, positions) if bias is not None else context[s - n:]
-        return _ChunkSeq(idx, row, row + n, context, positions, write, bias, segments, nseg, mass, item.guard,
-                         torch.zeros(n, dtype=torch.float32, device=self.device) if item.guard else None)
+    def _native_plan(self, st: _Step) -> None:
+        """The native kernel's batch over the ordinary sequences (explicit positions take the torch path)."""
+        st.native_batch = st.native_rows = None
+        if not self.native_attention:
+            return
+        explicit = {c.index for c in st.chunks if c.explicit}
+        plain = [i for i in range(len(st.lengths)) if i not in explicit]
+        if not plain:
+            return
+        offsets = st.offsets
+        st.native_batch = native.attention_batch([st.context[i] for i in plain], [st.lengths[i] for i in plain],
+                                                 [st.decode[i] for i in plain])
+        if len(plain) < len(st.lengths):
+            st.native_rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in plain])
 
-    def _chunk_before_write(self, seqs: Sequence[_ChunkSeq], kc: torch.Tensor, vc: torch.Tensor) -> list:
-        """The guarded sequences' slot contents before this layer's write (for the deviation)."""
-        return [(kc.index_select(0, s.write).float(), vc.index_select(0, s.write).float()) if s.guard else None
-                for s in seqs]
+    def _stop_rows(self, st: _Step, layer: int, *rows_tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """After ``layer``: drop the rows that stop (blend, focus) from the step and from each of
+        ``rows_tensors`` (``[N, ...]``: the residual stream, the next layer's input)."""
+        stops = {c.index: c.rows_to_stop(layer) for c in st.chunks if c.blend is not None or c.focus is not None}
+        if not any(stops.values()) or layer + 1 >= self.num_layers:
+            return rows_tensors
+        offsets = st.offsets
+        keep_global, new_lengths = [], list(st.lengths)
+        for i, n in enumerate(st.lengths):
+            drop = set(stops.get(i, ()))
+            local = [r for r in range(n) if r not in drop]
+            keep_global.extend(offsets[i] + r for r in local)
+            new_lengths[i] = len(local)
+        keep = torch.tensor(keep_global, device=self.device)
+        st.lengths = new_lengths
+        st.write = st.write.index_select(0, keep)
+        st.positions = st.positions.index_select(0, keep)
+        st.rope.clear()
+        new_offsets = st.offsets
+        for c in st.chunks:
+            drop = set(stops.get(c.index, ()))
+            local = torch.tensor([r for r in range(c.hi - c.lo) if r not in drop], dtype=torch.int64, device=self.device)
+            c.keep(local, new_offsets[c.index], layer + 1)
+        self._native_plan(st)
+        return tuple(t.index_select(0, keep) for t in rows_tensors)
 
-    def _chunk_after_write(self, seqs: Sequence[_ChunkSeq], old: list, q: torch.Tensor, kc: torch.Tensor,
-                           vc: torch.Tensor, a: torch.Tensor, layer: int) -> None:
-        """Per chunk sequence, after its K/V were written: attention over explicit positions (into
-        ``a``), statistics and deviation."""
-        for seq, before in zip(seqs, old):
-            qs = q[seq.lo : seq.hi]
-            stats = seq.mass is not None and layer in self.stat_layers
-            if seq.bias is not None or stats:
-                ctx_k = kc.index_select(0, seq.context)
-                if seq.bias is not None:
-                    ctx_v = vc.index_select(0, seq.context)
-                    a[seq.lo : seq.hi] = attention(qs, ctx_k, ctx_v, scale=self._scale, mask=seq.bias)
-                if stats:
-                    m = segment_attention_mass(qs, ctx_k, seq.positions, seq.segments, seq.num_segments, scale=self._scale)
-                    seq.mass += m.sum(dim=1)
-            if before is not None:
-                k_old, v_old = before
-                new = torch.cat((kc.index_select(0, seq.write).float().flatten(1), vc.index_select(0, seq.write).float().flatten(1)), 1)
-                old_kv = torch.cat((k_old.flatten(1), v_old.flatten(1)), 1)
-                ref = old_kv.norm(dim=1)
-                dev = (new - old_kv).norm(dim=1) / ref.clamp_min(1e-6)
-                seq.deviation += torch.where(ref > 0, dev, torch.zeros_like(dev))
+    def _rope_tables(self, st: _Step, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE tables for the step's rows, built once (and again after rows stop)."""
+        if dtype not in st.rope:
+            st.rope[dtype] = rope_cos_sin(self._inv_freq, st.positions, attention_scaling=self._rope_scaling, dtype=dtype)
+        return st.rope[dtype]
 
-    def _layers_fused(self, h, write, step, positions, chunk_seqs) -> torch.Tensor:
+    def _chunks_after_write(self, st: _Step, old: list, q, kc, vc, a, layer: int) -> None:
+        stat_layer = layer in self.stat_layers
+        for c, before in zip(st.chunks, old):
+            c.after_write(before, q, kc, vc, a, layer, self._scale, attention, stat_layer)
+
+    def _layers_fused(self, h: torch.Tensor, st: _Step) -> torch.Tensor:
         """Every decoder layer with the native bf16 kernels; ``h`` (the residual stream) is
         updated in place. Returns the final-normed hidden states ``[N, hidden]``."""
-        n, hq, hkv, d = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        cos, sin = rope_cos_sin(self._inv_freq, positions, attention_scaling=self._rope_scaling, dtype=torch.float32)
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        cos, sin = self._rope_tables(st, torch.float32)
         h = h.contiguous()
         x = native.add_rms_norm(h, None, self._weights[0].input_norm, self._weights[0].input_eps)
-        a = torch.empty((n, hq, d), dtype=self.dtype)
+        a = torch.empty((h.shape[0], hq, d), dtype=self.dtype)
         for idx, w in enumerate(self._weights):
+            n = h.shape[0]
+            if a.shape[0] != n:  # rows stopped after the last layer
+                a = torch.empty((n, hq, d), dtype=self.dtype)
             kc, vc = self.k_cache[idx], self.v_cache[idx]
             qkv = w.qkv(x).view(n, hq + 2 * hkv, d)
-            old = self._chunk_before_write(chunk_seqs, kc, vc) if chunk_seqs else []
-            native.rope_write(qkv, hq, hkv, cos, sin, kc, vc, write)
-            self._attend_native(qkv[:, :hq], kc, vc, step, a)
-            if chunk_seqs:
-                self._chunk_after_write(chunk_seqs, old, qkv[:, :hq], kc, vc, a, idx)
+            old = [c.before_write(kc, vc, idx) for c in st.chunks]
+            native.rope_write(qkv, hq, hkv, cos, sin, kc, vc, st.write)
+            self._attend_native(qkv[:, :hq], kc, vc, st, a)
+            if st.chunks:
+                self._chunks_after_write(st, old, qkv[:, :hq], kc, vc, a, idx)
             x = native.add_rms_norm(h, w.o_proj(a.view(n, hq * d)), w.post_norm, w.post_eps)
             down = w.down_proj(native.silu_mul(w.gate_up(x)))
             if idx + 1 < len(self._weights):
                 x = native.add_rms_norm(h, down, self._weights[idx + 1].input_norm, self._weights[idx + 1].input_eps)
+                if st.chunks:
+                    before = h.shape[0]
+                    h, x = self._stop_rows(st, idx, h, x)
+                    if h.shape[0] != before:
+                        h, x = h.contiguous(), x.contiguous()
+                        cos, sin = self._rope_tables(st, torch.float32)
             else:
                 x = native.add_rms_norm(h, down, *self._final_norm)
         return x
 
-    def _attend_native(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, step, a: torch.Tensor) -> None:
-        """The native kernel over the step's ordinary sequences (``step``: batch and, when some
-        sequences take explicit positions instead, the rows it covers)."""
-        if step is None:
+    def _attend_native(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, st: _Step, a: torch.Tensor) -> None:
+        """The native kernel over the step's ordinary sequences."""
+        if st.native_batch is None:
             return
-        batch, rows = step
-        if rows is None:
-            native.paged_attention(q, kc, vc, batch, self._scale, out=a)
+        if st.native_rows is None:
+            native.paged_attention(q, kc, vc, st.native_batch, self._scale, out=a)
         else:
-            a[rows] = native.paged_attention(q.index_select(0, rows), kc, vc, batch, self._scale)
+            a[st.native_rows] = native.paged_attention(q.index_select(0, st.native_rows), kc, vc, st.native_batch, self._scale)
 
-    def _layer(self, idx, h, cos, sin, write, cached_slots, offsets, modes, step, chunk_seqs) -> torch.Tensor:
+    def _layer(self, idx: int, h: torch.Tensor, st: _Step) -> torch.Tensor:
         w = self._weights[idx]
         n = h.shape[0]
         hq, hkv = self.num_heads, self.num_kv_heads
+        cos, sin = self._rope_tables(st, self.dtype)
         x = F.rms_norm(h, w.norm_shape, w.input_norm, w.input_eps)
         qkv = w.qkv(x).view(n, hq + 2 * hkv, self.head_dim)  # one GEMM for Q, K, V
         qk = apply_rope(qkv[:, : hq + hkv], cos, sin)  # RoPE on Q and K heads at once
         q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :]  # [N, Hq, D], [N, Hkv, D], [N, Hkv, D]
         kc, vc = self.k_cache[idx], self.v_cache[idx]  # [slots, Hkv, D]
-        old = self._chunk_before_write(chunk_seqs, kc, vc) if chunk_seqs else []
-        kc.index_copy_(0, write, k)
-        vc.index_copy_(0, write, v)
-        if step is not None and step[1] is None:  # native kernel: the whole step at once, straight over the arena
-            a = native.paged_attention(q, kc, vc, step[0], self._scale)
+        old = [c.before_write(kc, vc, idx) for c in st.chunks]
+        kc.index_copy_(0, st.write, k)
+        vc.index_copy_(0, st.write, v)
+        if st.native_batch is not None and st.native_rows is None:  # native kernel: the whole step at once
+            a = native.paged_attention(q, kc, vc, st.native_batch, self._scale)
         else:
             a = torch.empty((n, hq, self.head_dim), dtype=q.dtype, device=q.device)
-            if step is not None:
-                self._attend_native(q, kc, vc, step, a)
-            for i, slots in enumerate(cached_slots):
+            self._attend_native(q, kc, vc, st, a)
+            offsets = st.offsets
+            for i, slots in enumerate(st.cached_slots):
                 lo, hi = offsets[i], offsets[i + 1]
-                if modes[i] is None or step is not None:  # explicit positions (below), or done natively
+                if st.modes[i] is None or st.native_batch is not None:  # explicit positions (below), or done natively
                     continue
                 if slots is None:  # cold prefill: attend over the fresh K/V directly
                     a[lo:hi] = attention(q[lo:hi], k[lo:hi], v[lo:hi], scale=self._scale)
                 else:  # the cached context from the arena, then this step's fresh K/V (no re-gather)
                     ctx_k = torch.cat((kc.index_select(0, slots), k[lo:hi]))
                     ctx_v = torch.cat((vc.index_select(0, slots), v[lo:hi]))
-                    a[lo:hi] = attention_over_prefix(q[lo:hi], ctx_k, ctx_v, scale=self._scale, plan=modes[i])
-        if chunk_seqs:
-            self._chunk_after_write(chunk_seqs, old, q, kc, vc, a, idx)
+                    a[lo:hi] = attention_over_prefix(q[lo:hi], ctx_k, ctx_v, scale=self._scale, plan=st.modes[i])
+        if st.chunks:
+            self._chunks_after_write(st, old, q, kc, vc, a, idx)
         h = h + w.o_proj(a.reshape(n, hq * self.head_dim))
         x = F.rms_norm(h, w.norm_shape, w.post_norm, w.post_eps)
         gate, up = w.gate_up(x).chunk(2, dim=-1)  # one GEMM for gate and up

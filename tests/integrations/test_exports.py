@@ -13,10 +13,11 @@ def test_public_api_is_pinned() -> None:
         "TRANSIENT_ERRORS", "GenerationTimeoutError", "UnsupportedContentError", "default_engine",
         "default_store", "known_documents",
     ]
-    assert ragcache_integrations.langchain.__all__ == ["ChatRAGCache", "RAGCacheLLM", "RAGCacheRetriever"]
+    assert ragcache_integrations.langchain.__all__ == ["ChatRAGCache", "RAGCacheLLM", "RAGCacheRetriever",
+                                                       "RetrievedDocumentLearner", "install_document_learner"]
     assert ragcache_integrations.llamaindex.__all__ == [
         "CacheUsageRecorder", "RAGCacheEmbedding", "RAGCacheLLM", "RAGCacheQueryEngine", "RAGCacheRetriever",
-        "to_llama_documents",
+        "RetrievedNodeLearner", "install_node_learner", "to_llama_documents",
     ]
     assert ragcache_backend.prompts.recognition.__all__ == [
         "ANCHOR_CHARS", "ChatTurn", "DocumentRecognizer", "PromptSegmenter", "RecognizedSpan", "SegmentedPrompt",
@@ -33,7 +34,7 @@ def test_every_adapter_parameter_is_described() -> None:
 
     own = {
         ChatRAGCache: ["engine", "model_name", "temperature", "max_tokens", "top_p", "seed", "stop", "timeout",
-                       "max_retries", "use_cache", "recognizer", "streaming"],
+                       "max_retries", "use_cache", "reuse", "recognizer", "streaming"],
         RAGCacheLLM: ["engine", "max_tokens", "chat_template", "streaming"],
         RAGCacheRetriever: ["store", "corpus_dir", "k"],
         LlamaLLM: ["engine", "max_tokens", "timeout", "chat_template"],

@@ -1,5 +1,5 @@
 """The cache's chunk-mode protocol (admit_chunks / commit_chunks / finish) on a simulated mover:
-which variant serves a chunk, what becomes a tree node or a detached variant, the variant caps
+which variant serves a chunk, what becomes an exact or an approximate tree node, the variant caps
 (Cache-Craft §3.3) and that nothing leaks."""
 
 from __future__ import annotations
@@ -66,25 +66,34 @@ def test_exact_context_becomes_tree_nodes_with_variants_and_a_moved_chunk_is_ser
     assert 0 < b.use.cfo < 1 and len(b.use.recompute) == pytest.approx(b.use.cfo * 20, abs=1)
     assert lease.reused_tokens + lease.recomputed_tokens == 40 and cache.locked_nodes == 3
     cache.commit_chunks(lease, rest_tokens=1, stats=[None, None, None])
-    assert cache.locked_nodes == 2  # the copy sources are unlocked at commit; SYS and Q2 stay locked
+    # the copy sources are unlocked at commit; SYS, Q2 and the two fixed chunks (now nodes) stay locked
+    assert cache.locked_nodes == 4 and [p.node.approximate for p in lease.pieces] == [False, True, True]
     cache.finish(lease)
     assert cache.stats.variant_hits == 2 and cache.variants(K("B"))[0].variant.reuse_score > 0
+    keys = [K("SYS"), K("Q2"), K("B"), K("A")]
+    assert len(cache.tree.match_prefix(keys)) == 2  # exact matching stops before approximate KV
+    assert len(cache.tree.match_prefix(keys, approximate=True)) == 4  # chunk modes follow it
     cache.check_invariants()
 
 
-def test_a_fresh_chunk_after_reused_kv_becomes_a_detached_variant_never_an_exact_match():
+def test_a_fresh_chunk_after_reused_kv_is_an_approximate_node_and_a_variant():
     cache = make()
     run(cache, [spec("SYS", 10, False), spec("A", 20)], exact_upto=2)
     lease = run(cache, [spec("SYS", 10, False), spec("Q", 5, False), spec("A", 20), spec("C", 30)], exact_upto=4)
     assert lease.pieces[1].use is not None and lease.pieces[2].use is None
     variants = cache.variants(K("C"))
-    assert len(variants) == 1 and variants[0].parent is cache.tree.root and variants[0].key != K("C")
-    # exact matching never reaches it: the path SYS, Q, A, C is not in the tree past Q
-    assert [n.key for n in cache.tree.match_prefix([K("SYS"), K("Q"), K("A"), K("C")])] == ["SYS", "Q"]
-    # a later request reuses the detached variant
-    again = cache.admit_chunks([spec("SYS", 10, False), spec("C", 30)], tail_tokens=1, exact_upto=2, rule=RULE)
-    assert again.pieces[0].use is not None and again.pieces[0].use.node is variants[0]
-    cache.finish(again)  # released before commit: nothing inserted, nothing leaks
+    assert len(variants) == 1 and variants[0].approximate and variants[0].key != K("C")
+    keys = [K("SYS"), K("Q"), K("A"), K("C")]
+    assert [n.key for n in cache.tree.match_prefix(keys)] == ["SYS", "Q"]  # exact matching never reaches it
+    # an exact repeat in a chunk mode reuses the whole prompt, approximate part included
+    again = cache.admit_chunks([spec("SYS", 10, False), spec("Q", 5, False), spec("A", 20), spec("C", 30)],
+                               tail_tokens=1, exact_upto=4, rule=RULE)
+    assert len(again.prefix) == 4 and again.pieces == [] and again.approximate_prefix_tokens == 50
+    cache.finish(again)
+    # a later request elsewhere reuses the approximate node as C's variant
+    other = cache.admit_chunks([spec("SYS", 10, False), spec("C", 30)], tail_tokens=1, exact_upto=2, rule=RULE)
+    assert other.pieces[0].use is not None and other.pieces[0].use.node is variants[0]
+    cache.finish(other)  # released before commit: nothing inserted, nothing leaks
     assert cache.locked_nodes == 0 and cache.request_blocks == 0
     cache.check_invariants()
 

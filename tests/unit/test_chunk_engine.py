@@ -121,3 +121,19 @@ def test_bad_input_in_chunk_mode(tiny_model, fixed_profile):
     res = eng.generate("Edited?", [DOCS[3], edited], GREEDY)
     assert res.chunk_hits == 0
     assert_clean(eng)
+
+
+def test_blend_and_focus_rules_stop_rows_and_count_them_by_depth(tiny_model, fixed_profile):
+    eng = make(tiny_model, fixed_profile)
+    eng.generate("What is the GIL?", DOCS[:4], GREEDY)
+    segs, _ = eng.segments_for("And lists?", [DOCS[1], DOCS[3], DOCS[2], DOCS[0]], GREEDY)
+    doc_tokens = sum(len(s) for s in segs if s.doc_id)
+    every = eng.submit_segments(segs, GREEDY, recompute=RecomputeRule("all"), store=False).result()
+    blend = eng.submit_segments(segs, GREEDY, recompute=RecomputeRule("blend", share=0.2), store=False).result()
+    # every token through layer 1 of 2, then 20% of each chunk through layer 2: about 0.6 of the chunk tokens
+    assert blend.chunk_hits == 4 and every.recomputed_tokens == doc_tokens
+    assert 0.5 * doc_tokens < blend.recomputed_tokens < 0.7 * doc_tokens
+    assert blend.cached_tokens + blend.computed_tokens == blend.prompt_tokens
+    focus = eng.submit_segments(segs, GREEDY, recompute=RecomputeRule("all", focus_window=1), store=False).result()
+    assert focus.recomputed_tokens < doc_tokens  # an unfocused chunk stopped after layer 1
+    assert_clean(eng)

@@ -130,7 +130,7 @@ def test_recompute_rules_pick_their_tokens():
     share = choose_with_rule([C3], new, RecomputeRule("share", share=0.5))
     assert share.recompute == (1, 3) and share.cfo == 0.5  # the two highest token_inter (0.9, 0.9)
     with pytest.raises(ValueError):
-        RecomputeRule("blend")
+        RecomputeRule("magic")
 
 
 def test_context_keys_make_repeats_unique():

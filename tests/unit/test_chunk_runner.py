@@ -120,7 +120,8 @@ def test_attention_statistics_match_the_models_own_attention_weights(runner, tin
             att = model(torch.tensor([sys_ + c1 + c2]), output_attentions=True).attentions
     finally:
         model.config._attn_implementation = saved
-    probs = torch.stack(att)[:, 0, :, 32:, :].mean(dim=(0, 1))  # [15 rows, 47 keys], mean over layers and heads
+    # mean over layers and over the first query head of each KV group (heads 0 and 2 of 4)
+    probs = torch.stack(att)[:, 0, ::2, 32:, :].mean(dim=(0, 1))  # [15 rows, 47 keys]
     ref = torch.stack([probs[:, :12].sum(1), probs[:, 12:32].sum(1), probs[:, 32:].sum(1)], dim=1)
     assert (mass - ref).abs().max().item() < 1e-4
 
@@ -158,3 +159,64 @@ def test_bad_positions_and_segments_are_rejected(runner):
         runner.forward_step([ForwardInput(_toks(3, 1), (ctx,), (b.run(3),), stat_segments=(10, 10))])
     with pytest.raises(InvalidRequestError):
         runner.copy_rerotated(b.run(5), b.run(6), 3)
+
+
+def _moved_chunks(runner, b):
+    """sys, c1, c2, q where c1 and c2 are variants computed elsewhere and moved in (no recompute yet)."""
+    sys_, c1, c2, q = _toks(20, 6), _toks(33, 7), _toks(41, 8), _toks(9, 9)
+    ref = _prefill(runner, [(b.run(20), sys_), (b.run(33), c1), (b.run(41), c2), (b.run(9), q)])
+    other = _toks(17, 10)
+    ov, v2 = b.run(20 + 17), b.run(41)
+    _prefill(runner, [(ov, sys_ + other), (v2, c2)])
+    sv, v1 = b.run(20), b.run(33)
+    _prefill(runner, [(sv, sys_), (v1, c1)])
+    r1, r2, rq = b.run(33), b.run(41), b.run(9)
+    runner.copy_rerotated(v1, r1, 0)
+    runner.copy_rerotated(v2, r2, (20 + 33) - (20 + 17))
+    return ref, (sv, r1, r2, rq), c1 + c2 + q, tuple(range(20, 20 + 33 + 41 + 9))
+
+
+def test_blend_selection_keeps_the_most_deviating_rows_after_its_layer(runner):
+    from ragcache_backend.model.chunk_rows import BlendSelection
+
+    b = Blocks()
+    ref, ctx, new, pos = _moved_chunks(runner, b)
+    groups = (tuple(range(33)), tuple(range(33, 74)))
+    full = runner.forward_step([ForwardInput(new, ctx, (), positions=pos, blend=BlendSelection(groups, share=1.0))])
+    assert set(full.depth[0]) == {2} and (full.logits[0] - ref).abs().max().item() < 1e-4  # share 1: exact
+    r2_slots = runner.slots([ctx[2]])
+    before = runner.k_cache[1, r2_slots].clone()
+    part = runner.forward_step([ForwardInput(new, ctx, (), positions=pos, guard=True,
+                                             blend=BlendSelection(groups, share=0.25, layer=0))])
+    stopped = [r for r, d in enumerate(part.depth[0]) if d < 2]
+    assert len(stopped) == (33 - 8) + (41 - 10) and all(r < 74 for r in stopped)  # round(0.25 n) kept per group
+    assert {part.depth[0][r] for r in stopped} == {1}
+    # a stopped row of c2 kept the values of layer 1 written by the full pass (not recomputed again)
+    row = next(r for r in stopped if r >= 33) - 33
+    assert torch.equal(runner.k_cache[1, r2_slots[row]], before[row])
+    assert all(part.deviation[0][r] >= 0 for r in range(74))
+
+
+def test_focus_selection_stops_unfocused_chunks_once_algorithm1_decides(runner):
+    from ragcache_backend.model.chunk_rows import FocusSelection
+
+    b = Blocks()
+    ref, ctx, new, pos = _moved_chunks(runner, b)
+    chunks = ((20, 53), (53, 94))
+    groups = (tuple(range(0, 33, 2)), tuple(range(33, 74, 2)))
+    question = tuple(range(74, 83))
+    out = runner.forward_step([ForwardInput(new, ctx, (), positions=pos,
+                                            focus=FocusSelection(chunks, groups, question, window=1))])
+    # two chunks: Algorithm 1 keeps both (fewer than three), decided after the first layer; nothing stops
+    assert out.focus_layer[0] == 1 and set(out.depth[0]) == {2}
+    three = ((20, 40), (40, 53), (53, 94))
+    groups3 = (tuple(range(0, 20, 2)), tuple(range(20, 33, 2)), tuple(range(33, 74, 2)))
+    out3 = runner.forward_step([ForwardInput(new, ctx, (), positions=pos,
+                                             focus=FocusSelection(three, groups3, question, window=1))])
+    assert out3.focus_layer[0] == 1
+    stopped3 = {r for r, d in enumerate(out3.depth[0]) if d < 2}
+    kept_groups = {i for i, g in enumerate(groups3) if not set(g) & stopped3}
+    assert kept_groups and len(kept_groups) < 3  # some chunk was unfocused and stopped
+    with pytest.raises(InvalidRequestError):
+        runner.forward_step([ForwardInput(new, ctx, (), positions=pos,
+                                          focus=FocusSelection(chunks, ((82,), ()), question, window=1))])

@@ -67,6 +67,7 @@ def assert_one_line_error(code: int, stderr: str, *needles: str) -> None:
         (["ask", "q", "--threads", "two"], ["--threads"]),
         (["ask", "q", "--dtype", "bogus"], ["--dtype", "unknown dtype 'bogus'", "bfloat16", "bf16"]),
         (["ask", "q", "--policy", "nope"], ["--policy", "unknown policy 'nope'", "pgdsf"]),
+        (["ask", "q", "--reuse", "fuzzy"], ["--reuse", "unknown reuse mode 'fuzzy'", "auto"]),
         (["ask", "q", "--k", "0"], ["--k"]),
         (["ask", "q", "--max-tokens", "0"], ["--max-tokens"]),
         (["ask", "q", "--no-such-option"], ["--no-such-option"]),
@@ -137,9 +138,10 @@ def test_dtype_aliases_are_accepted_and_normalized(monkeypatch, capsys, loads, g
 
     monkeypatch.setattr(cli, "engine_config", record)
     with pytest.raises(Reached):
-        cli.main(["ask", "q", "--dtype", given, "--policy", "LRU", "--threads", "1", "--k", "2"])
+        cli.main(["ask", "q", "--dtype", given, "--policy", "LRU", "--threads", "1", "--k", "2", "--reuse", "Auto"])
     assert loads == ["store"]
     assert configs[0].dtype == canonical and configs[0].policy == "lru" and configs[0].threads == 1
+    assert configs[0].reuse == "auto"
 
 
 def test_demo_options_accepted(capsys, loads, tmp_path):
@@ -189,6 +191,7 @@ def test_choices_match_the_engine_and_the_loader():
 
     assert set(get_args(EngineConfig.model_fields["dtype"].annotation)) == set(cli.DTYPES) == set(DTYPES)
     assert set(get_args(EngineConfig.model_fields["policy"].annotation)) == set(cli.POLICIES)
+    assert set(get_args(EngineConfig.model_fields["reuse"].annotation)) == set(cli.REUSE_MODES)
     for alias, canonical in cli.DTYPE_ALIASES.items():
         assert parse_dtype(alias) == DTYPES[canonical]
 
