@@ -76,9 +76,13 @@ class RAGCacheParams(BaseModel):
             return self.model_name
         return self.engine.model_name if self.engine is not None else DEFAULT_MODEL_NAME
 
-    def prompt_segmenter(self) -> PromptSegmenter:
-        """Cuts prompts for the engine's tokenizer at the documents ``recognizer`` knows."""
-        return segmenter(self.resolved_engine(), self.recognizer)
+    def prompt_segmenter(self, overrides: Mapping[str, Any] | None = None) -> PromptSegmenter:
+        """Cuts prompts for the engine's tokenizer at the documents ``recognizer`` knows; in a chunk
+        reuse mode (this call's, else the instance's, else the engine's) documents are tokenised on
+        their own, so that their KV can be reused at any position."""
+        engine = self.resolved_engine()
+        mode = (overrides or {}).get("reuse", self.reuse) or engine.config.reuse
+        return segmenter(engine, self.recognizer, documents_alone=mode != "exact")
 
     def generation(self, segments: Sequence[Segment], stop: Sequence[str] | None = None,
                    overrides: Mapping[str, Any] | None = None) -> Generation:
@@ -118,7 +122,7 @@ class CompletionParams(RAGCacheParams):
         description="send a text prompt as one user message in the model's chat template (instruct "
                     "models); False = complete the raw text")
 
-    def segment_completion(self, prompt: str) -> SegmentedPrompt:
+    def segment_completion(self, prompt: str, overrides: Mapping[str, Any] | None = None) -> SegmentedPrompt:
         """A text prompt cut for the engine (wrapped in the chat template unless ``chat_template`` is off)."""
-        cutter = self.prompt_segmenter()
+        cutter = self.prompt_segmenter(overrides)
         return cutter.chat([ChatTurn("user", prompt)]) if self.chat_template else cutter.raw(prompt)

@@ -95,13 +95,15 @@ def known_documents() -> DocumentRecognizer:
     return _RECOGNIZER
 
 
-def segmenter(engine: RAGCacheEngine, recognizer: DocumentRecognizer | None = None) -> PromptSegmenter:
+def segmenter(engine: RAGCacheEngine, recognizer: DocumentRecognizer | None = None, *,
+              documents_alone: bool = False) -> PromptSegmenter:
     """A segmenter for ``engine``'s tokenizer over ``recognizer`` (default :func:`known_documents`);
-    the engine's own store, if any, is watched."""
+    the engine's own store, if any, is watched. ``documents_alone``: documents tokenised on their
+    own, so chunk caches can reuse them at any position (see :class:`PromptSegmenter`)."""
     recognizer = recognizer or _RECOGNIZER
     if engine.store is not None:
         recognizer.watch(engine.store)
-    return PromptSegmenter(engine.prompts, recognizer)
+    return PromptSegmenter(engine.prompts, recognizer, documents_alone=documents_alone)
 
 
 class _Linked(threading.Event):

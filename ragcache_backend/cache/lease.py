@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ragcache_backend.cache.knowledge_tree import Node, SegmentKey
 
-__all__ = ["ChunkLease", "ChunkPiece", "ChunkSpec", "Lease", "PendingSegment", "SegmentSpec", "VariantUse"]
+__all__ = ["ChunkLease", "ChunkPiece", "ChunkSpec", "ContextPart", "Lease", "PendingSegment", "SegmentSpec", "VariantUse"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -77,6 +77,21 @@ class Lease:
 # ---- chunk-cache mode (Cache-Craft §3) ------------------------------------------------------------
 
 @dataclass(slots=True, frozen=True)
+class ContextPart:
+    """A stretch of a prompt as Cache-Craft's statistics see it: a document, or a window of other
+    text (template, instructions, question), with an id that is the same wherever that content
+    recurs. Inter-attention (eq. 3), beta and gamma (eq. 6-8) are counted per part.
+
+    Attributes:
+        key: the part's id (a document's key, a text window's content hash, ``<sink>``).
+        num_tokens: its length, >= 1.
+    """
+
+    key: str
+    num_tokens: int
+
+
+@dataclass(slots=True, frozen=True)
 class ChunkSpec:
     """A prompt segment as chunk-mode admission sees it.
 
@@ -85,11 +100,17 @@ class ChunkSpec:
         num_tokens: length in tokens, >= 1.
         chunk: True for a document: reusable at any position from a cached variant, and recorded
             as a variant when computed.
+        parts: how its tokens split into :class:`ContextPart` (lengths sum to ``num_tokens``); a
+            document is one part with its own key. Empty: one part, the segment's key.
     """
 
     key: SegmentKey
     num_tokens: int
     chunk: bool
+    parts: tuple[ContextPart, ...] = ()
+
+    def context_parts(self) -> tuple[ContextPart, ...]:
+        return self.parts or (ContextPart(self.key, self.num_tokens),)
 
 
 @dataclass(slots=True)
@@ -116,7 +137,7 @@ class ChunkPiece:
     Attributes:
         spec: the segment.
         start: position of its first token in the prompt.
-        context: the ids of the segments before it (``context_keys``: unique within the prompt).
+        context: the ids of the context parts before it (``context_keys``: unique within the prompt).
         blocks: where its KV is written (request-owned until ``commit`` hands them to a node).
         use: the variant it is served from, or None: computed in full.
         node: after ``commit``: the tree node that owns its KV (exact or approximate), else None.

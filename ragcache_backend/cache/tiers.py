@@ -42,7 +42,6 @@ they are made of (``match``, ``acquire``, ``allocate``, ``insert``, ``record_req
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import time
 from collections import Counter
@@ -123,6 +122,15 @@ class CacheStats:
     variant_hits: int = 0  # chunks served from a cached variant (approximate hits)
     variants_added: int = 0  # chunk variants recorded
     variant_evictions: int = 0  # variants dropped by the per-chunk or total cap (lowest f_r)
+
+
+def _part_keys(specs: Sequence[ChunkSpec]) -> tuple[tuple[str, ...], list[int]]:
+    """Every context part's id, unique within the prompt, and the index of each spec's first part."""
+    keys, first = [], []
+    for spec in specs:
+        first.append(len(keys))
+        keys.extend(part.key for part in spec.context_parts())
+    return context_keys(keys), first
 
 
 class TieredCache:
@@ -375,15 +383,16 @@ class TieredCache:
                 f"but the device arena holds only {self._alloc.num_blocks}; raise the device budget or shorten it")
         acq = self.acquire(self.match([s.key for s in specs[: max(0, exact_upto)]], approximate=True))
         prefix = list(acq.nodes)
-        keys = context_keys([s.key for s in specs])
+        keys, first_part = _part_keys(specs)
         start = acq.cached_tokens
         pieces, sources = [], []
         device_hits, host_hits = acq.device_hits, acq.host_hits
         for i in range(len(prefix), len(specs)):
             spec = specs[i]
+            context = keys[: first_part[i]]
             use = None
-            if spec.chunk and keys[i] == spec.key:  # a document's first occurrence in the prompt
-                use = self._plan_variant(spec, keys[:i], start, rule, prefix + sources)
+            if spec.chunk and keys[first_part[i]] == spec.key:  # a document's first occurrence in the prompt
+                use = self._plan_variant(spec, context, start, rule, prefix + sources)
             if use is not None and rule.kind == "cfo" and use.cfo > fresh_above:
                 use = None
             if use is not None:
@@ -394,7 +403,7 @@ class TieredCache:
                     host_hits += not on_device
                 else:
                     use = None
-            pieces.append(ChunkPiece(spec, start, keys[:i], [], use))
+            pieces.append(ChunkPiece(spec, start, context, [], use))
             start += spec.num_tokens
         rest = sum(blocks_for(p.spec.num_tokens, self.block_size) for p in pieces) + blocks_for(tail_tokens, self.block_size)
         if not self._make_device_room(rest):

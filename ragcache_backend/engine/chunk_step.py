@@ -8,9 +8,11 @@ one :class:`~ragcache_backend.model.runner.ForwardInput`:
    position (:meth:`ModelRunner.copy_rerotated`);
 2. the new tokens are every token of a fresh segment, the chosen tokens of each reused chunk (eq.
    14) and the prompt's rest, each at its own position, attending causally over the merged context;
-3. attention statistics are asked for when a fresh document will become a variant, over segments
-   ``[attention sink, segment 0, ..., segment n, rest]`` (eq. 3-4), and the KV deviation of the
-   recomputed tokens when the quality guard is on.
+3. attention statistics are asked for when a fresh document will become a variant, over the
+   prompt's context parts (:func:`context_parts`: the attention sink, each document, and windows of
+   16 tokens of any other text, so that a question inside a template counts apart from the
+   template's stable instructions; eq. 3-4), and the KV deviation of the recomputed tokens when
+   the quality guard is on.
 
 After the forward, :func:`variant_stats` turns the runner's per-row attention mass into each new
 variant's statistics and :func:`guard_flags` says which reused chunks moved too far and must be
@@ -19,19 +21,58 @@ recomputed in full (a second pass, :func:`build_input` with ``full``).
 
 from __future__ import annotations
 
+import hashlib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ragcache_backend.cache.chunk_reuse import SINK_TOKENS, RecomputeRule, VariantStats, context_keys, stats_from_mass
-from ragcache_backend.cache.lease import ChunkLease
+from ragcache_backend.cache.lease import ChunkLease, ChunkSpec, ContextPart
 from ragcache_backend.model.chunk_rows import BlendSelection, FocusSelection
 from ragcache_backend.model.runner import MAX_STAT_SEGMENTS, ForwardInput, KVRun, ModelRunner, SegmentAttention
 from ragcache_backend.prompts.builder import PromptPlan, SegmentKind
 
-__all__ = ["ChunkLayout", "build_input", "chunk_deviations", "context_runs", "copy_variants", "guard_flags", "variant_stats"]
+__all__ = ["ChunkLayout", "build_input", "chunk_deviations", "chunk_specs", "context_parts", "context_runs",
+           "copy_variants", "guard_flags", "variant_stats"]
 
 _SINK_KEY = "<sink>"
 _REST_KEY = "<rest>"
+TEXT_WINDOW = 16
+"""Tokens per context part of non-document text (more when a prompt would exceed the statistics'
+segment limit)."""
+
+
+def context_parts(lead: Sequence, rest_tokens: int) -> list[tuple[ContextPart, ...]]:
+    """Per lead segment, its context parts: a document is one part (its key); other text is cut
+    into windows of :data:`TEXT_WINDOW` tokens keyed by content; the prompt's first tokens (the
+    attention sink, :data:`SINK_TOKENS`) are a part of their own. Windows widen so that the parts
+    plus the rest stay within the runner's statistics limit."""
+    docs = sum(1 for s in lead if s.kind is SegmentKind.DOCUMENT)
+    text = sum(len(s) for s in lead if s.kind is not SegmentKind.DOCUMENT)
+    window = max(TEXT_WINDOW, math.ceil(text / max(1, MAX_STAT_SEGMENTS - docs - 3 - len(lead))))
+    out = []
+    for i, seg in enumerate(lead):
+        ids = seg.token_ids
+        if seg.kind is SegmentKind.DOCUMENT:
+            out.append((ContextPart(seg.key, len(ids)),))
+            continue
+        parts = []
+        start = 0
+        if i == 0 and len(ids) > 1:
+            start = min(SINK_TOKENS, len(ids) - 1)
+            parts.append(ContextPart(_SINK_KEY, start))
+        for a in range(start, len(ids), window):
+            piece = ids[a : a + window]
+            digest = hashlib.sha256(",".join(map(str, piece)).encode()).hexdigest()[:16]
+            parts.append(ContextPart("w:" + digest, len(piece)))
+        out.append(tuple(parts))
+    return out
+
+
+def chunk_specs(lead: Sequence, rest_tokens: int) -> list[ChunkSpec]:
+    """The cache's view of a prompt's lead segments (documents are chunks)."""
+    return [ChunkSpec(s.key, len(s), s.kind is SegmentKind.DOCUMENT, parts)
+            for s, parts in zip(lead, context_parts(lead, rest_tokens))]
 
 
 @dataclass(slots=True, frozen=True)
@@ -44,7 +85,7 @@ class ChunkLayout:
             occurrence in the prompt).
         stat_keys, stat_lengths: the statistics segments' ids and token counts (empty: none asked).
         stat_skip: leading statistics segments left out of inter-attention (the sink).
-        piece_segment: per piece, the index of its own statistics segment.
+        piece_segment: per piece, the index of its (first) statistics segment.
     """
 
     rows: tuple[tuple[int, ...], ...]
@@ -100,15 +141,18 @@ def build_input(plan: PromptPlan, lease: ChunkLease, *, rule: RecomputeRule, gua
         pos += piece.spec.num_tokens
     new_tokens.extend(plan.rest)
     positions.extend(range(pos, pos + len(plan.rest)))
-    keys = context_keys([s.key for s in lead])
+    parts = context_parts(lead, len(plan.rest))
+    first_part, flat = [], []
+    for seg_parts in parts:
+        first_part.append(len(flat))
+        flat.extend(seg_parts)
+    keys = context_keys([part.key for part in flat])
     recorded = tuple(
-        piece.spec.chunk and (piece.use is None or i in full) and keys[n_prefix + i] == piece.spec.key
+        piece.spec.chunk and (piece.use is None or i in full) and keys[first_part[n_prefix + i]] == piece.spec.key
         for i, piece in enumerate(lease.pieces))
-    lengths = [len(s) for s in lead] + [len(plan.rest)]
-    sink = min(SINK_TOKENS, lengths[0] - 1) if lengths else 0
-    skip = 1 if sink > 0 else 0
-    stat_lengths = ([sink, lengths[0] - sink] if sink else lengths[:1]) + lengths[1:]
-    stat_keys = ((_SINK_KEY,) if sink else ()) + keys + (_REST_KEY,)
+    skip = 1 if flat and flat[0].key == _SINK_KEY else 0
+    stat_lengths = [part.num_tokens for part in flat] + [len(plan.rest)]
+    stat_keys = keys + (_REST_KEY,)
     if not any(recorded) or len(stat_lengths) > MAX_STAT_SEGMENTS:
         recorded, stat_keys, stat_lengths = (False,) * len(lease.pieces), (), []
     runs = context_runs(lease, len(plan.rest))
@@ -128,7 +172,7 @@ def build_input(plan: PromptPlan, lease: ChunkLease, *, rule: RecomputeRule, gua
         item = ForwardInput(tuple(new_tokens), runs, (), positions=tuple(positions), stat_segments=stats,
                             guard=guarded, blend=blend, focus=focus)
     layout = ChunkLayout(tuple(rows), recorded, stat_keys, tuple(stat_lengths), skip,
-                         tuple(skip + n_prefix + i for i in range(len(lease.pieces))))
+                         tuple(first_part[n_prefix + i] for i in range(len(lease.pieces))))
     return item, layout
 
 

@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 from ragcache_backend.cache.chunk_reuse import RecomputeRule
-from ragcache_backend.cache.lease import ChunkLease, ChunkSpec, SegmentSpec
+from ragcache_backend.cache.lease import ChunkLease, SegmentSpec
 from ragcache_backend.cache.profile import DEFAULT_ALPHAS, DEFAULT_BETAS, PrefillProfile, measure_profile
 from ragcache_backend.cache.tiers import TieredCache
 from ragcache_backend.config import EngineConfig, ragcache_home
@@ -75,7 +75,7 @@ from ragcache_backend.errors import (
 from ragcache_backend.model.loader import LoadedModel, load_model
 from ragcache_backend.model.runner import ForwardInput, KVRun, ModelRunner, StepOutput, kv_bytes_per_token
 from ragcache_backend.model.sampling import SamplingParams, sample_token
-from ragcache_backend.prompts.builder import PromptBuilder, PromptPlan, Segment, SegmentKind, plan_prompt
+from ragcache_backend.prompts.builder import PromptBuilder, PromptPlan, Segment, plan_prompt
 from ragcache_backend.prompts.detokenizer import IncrementalText
 from ragcache_backend.retrieval.documents import Document, content_id
 
@@ -690,8 +690,8 @@ class RAGCacheEngine:
         return True
 
     def _admit_chunks(self, req: Request, tail: int) -> ChunkLease | None:
-        lead, cfg = req.plan.lead, self.config
-        specs = [ChunkSpec(s.key, len(s), s.kind is SegmentKind.DOCUMENT) for s in lead]
+        cfg = self.config
+        specs = chunk_step.chunk_specs(req.plan.lead, req.rest_tokens)
         exact_upto = len(specs)
         if req.reuse == "chunk":  # the tree serves what precedes the first document; documents come from variants
             exact_upto = next((i for i, s in enumerate(specs) if s.chunk), len(specs))

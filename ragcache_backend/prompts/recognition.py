@@ -203,11 +203,18 @@ class PromptSegmenter:
     Args:
         prompts: the engine's :class:`PromptBuilder` (tokenizer and tokenisation rules).
         recognizer: the known documents.
+        documents_alone: tokenise each recognised document on its own (and the text between them
+            on its own) instead of cutting one tokenisation of the content at token edges. A
+            document then has the same token ids wherever it appears, which chunk caches need
+            (reuse at any position); the price is that tokens at a document's edges may differ
+            from a single tokenisation of the prompt (as for :class:`PromptBuilder` documents).
+            Off (the default), the segments concatenate to exactly the unsegmented prompt's tokens.
     """
 
-    def __init__(self, prompts: PromptBuilder, recognizer: DocumentRecognizer) -> None:
+    def __init__(self, prompts: PromptBuilder, recognizer: DocumentRecognizer, *, documents_alone: bool = False) -> None:
         self.prompts = prompts
         self.recognizer = recognizer
+        self.documents_alone = documents_alone
 
     def chat(self, turns: Sequence[ChatTurn]) -> SegmentedPrompt:
         """Segments of ``turns`` in the model's chat template, with the assistant turn opened.
@@ -256,9 +263,18 @@ class PromptSegmenter:
         return SegmentedPrompt(_group(pieces), text, tuple(spans))
 
     def _cut(self, content: str, spans: list[RecognizedSpan]) -> list[_Piece]:
-        """The content's token ids (one tokenisation), cut at the token edges nearest each span."""
+        """The content's token ids (one tokenisation), cut at the token edges nearest each span;
+        with ``documents_alone``, each document and each run of text between them tokenised alone."""
         if not content:
             return []
+        if self.documents_alone:
+            encode, pieces, done = self.prompts.encode_text, [], 0
+            for span in spans:
+                pieces.append(_Piece(encode(content[done:span.start])))
+                pieces.append(_Piece(encode(content[span.start:span.end]), span.doc_id))
+                done = span.end
+            pieces.append(_Piece(encode(content[done:])))
+            return pieces
         enc = self.prompts.tokenizer(content, add_special_tokens=False, split_special_tokens=True,
                                      return_offsets_mapping=True)
         ids = enc["input_ids"]

@@ -75,7 +75,8 @@ def usage_metadata(result: GenerationResult) -> UsageMetadata:
 
 
 def response_metadata(result: GenerationResult, model_name: str) -> dict[str, Any]:
-    """Model name, finish reason, latency and what the cache served."""
+    """Model name, finish reason, latency and what the cache served (``chunk_*``: the approximate
+    part served from chunk caches, see :class:`~ragcache_backend.engine.request.GenerationResult`)."""
     return {
         "model_name": model_name,
         "finish_reason": result.finish_reason,
@@ -83,6 +84,9 @@ def response_metadata(result: GenerationResult, model_name: str) -> dict[str, An
         "total_s": result.total_s,
         "cached_tokens": result.cached_tokens,
         "computed_tokens": result.computed_tokens,
+        "chunk_cached_tokens": result.chunk_cached_tokens,
+        "recomputed_tokens": result.recomputed_tokens,
+        "chunk_hits": result.chunk_hits,
         "documents": list(result.documents),
     }
 
@@ -123,7 +127,7 @@ class ChatRAGCache(RAGCacheParams, BaseChatModel):
         return params
 
     def _prepare(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict) -> Generation:
-        prompt = self.prompt_segmenter().chat(to_chat_turns(messages))
+        prompt = self.prompt_segmenter(kwargs).chat(to_chat_turns(messages))
         return self.generation(prompt.segments, stop, kwargs)
 
     def _message(self, result: GenerationResult) -> AIMessage:

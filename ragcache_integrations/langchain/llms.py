@@ -47,7 +47,7 @@ class RAGCacheLLM(CompletionParams, BaseLLM):
         return params
 
     def _prepare(self, prompt: str, stop: list[str] | None, kwargs: dict) -> Generation:
-        return self.generation(self.segment_completion(prompt).segments, stop, kwargs)
+        return self.generation(self.segment_completion(prompt, kwargs).segments, stop, kwargs)
 
     def _info(self, result: GenerationResult) -> dict[str, Any]:
         return {**response_metadata(result, self.reported_model_name()), "usage_metadata": usage_metadata(result)}

@@ -69,6 +69,9 @@ def raw_usage(result: GenerationResult) -> dict[str, Any]:
         },
         "ttft_s": result.ttft_s,
         "total_s": result.total_s,
+        "chunk_cached_tokens": result.chunk_cached_tokens,
+        "recomputed_tokens": result.recomputed_tokens,
+        "chunk_hits": result.chunk_hits,
         "documents": list(result.documents),
     }
 
@@ -96,10 +99,10 @@ class RAGCacheLLM(CompletionParams, CustomLLM):
 
     # ---- requests ------------------------------------------------------------------------------
     def _chat_request(self, messages: Sequence[ChatMessage], kwargs: dict) -> Generation:
-        return self.generation(self.prompt_segmenter().chat(to_chat_turns(messages)).segments, None, kwargs)
+        return self.generation(self.prompt_segmenter(kwargs).chat(to_chat_turns(messages)).segments, None, kwargs)
 
     def _complete_request(self, prompt: str, kwargs: dict) -> Generation:
-        return self.generation(self.segment_completion(prompt).segments, None, kwargs)
+        return self.generation(self.segment_completion(prompt, kwargs).segments, None, kwargs)
 
     @staticmethod
     def _completion(result: GenerationResult) -> CompletionResponse:

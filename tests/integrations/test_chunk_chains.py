@@ -9,10 +9,8 @@ retriever are learned through the callback hook (LlamaIndex: the instrumentation
 from __future__ import annotations
 
 import pytest
-from langchain_core.callbacks import get_usage_metadata_callback
 from langchain_core.documents import Document as LCDocument
 from langchain_core.embeddings import Embeddings
-from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.runnables import RunnablePassthrough
 from langchain_core.vectorstores import InMemoryVectorStore
@@ -47,31 +45,30 @@ def vector_store(faq_store) -> InMemoryVectorStore:
 
 
 def _chain(retriever, llm):
+    """LangChain's quick-start chain with the stock question-first prompt, returning the AIMessage."""
     prompt = ChatPromptTemplate.from_messages([("human", RLM_RAG_PROMPT)])
-    return {"context": retriever | format_docs, "question": RunnablePassthrough()} | prompt | llm | StrOutputParser()
-
-
-def _usage(chain, question):
-    with get_usage_metadata_callback() as cb:
-        chain.invoke(question)
-    (usage,) = cb.usage_metadata.values()
-    return usage
+    return {"context": retriever | format_docs, "question": RunnablePassthrough()} | prompt | llm
 
 
 def test_question_first_prompt_and_any_vector_store_reuse_documents_across_questions(engine, vector_store) -> None:
     engine.reset_cache()
     retriever = vector_store.as_retriever(search_kwargs={"k": 2})
     first_q, second_q = "How do I create a .pyc file?", "How can I compile Python source into bytecode files?"
-    assert {d.page_content for d in retriever.invoke(first_q)} & {d.page_content for d in retriever.invoke(second_q)}
-    exact = _chain(retriever, ChatRAGCache(engine=engine, max_tokens=4, reuse="exact"))
+    third_q = "Is there a way to turn Python source code into bytecode ahead of time?"
+    docs = [{d.page_content for d in retriever.invoke(q)} for q in (first_q, second_q, third_q)]
+    assert docs[0] & docs[1] and docs[0] & docs[2]  # the questions share a retrieved document
     auto = _chain(retriever, ChatRAGCache(engine=engine, max_tokens=4, reuse="auto"))
-    _usage(auto, first_q)  # learns the documents, records their chunk variants
-    tree_only = _usage(exact, second_q)
-    reused = _usage(auto, second_q)
-    print("\nquestion-first prompt, new question: cache_read exact", tree_only["input_token_details"]["cache_read"],
-          "auto", reused["input_token_details"]["cache_read"], "of", reused["input_tokens"])
-    assert tree_only["input_token_details"]["cache_read"] == 0  # the question comes first: nothing to reuse
-    assert reused["input_token_details"]["cache_read"] > 100  # the shared document, at its new position
+    exact = _chain(retriever, ChatRAGCache(engine=engine, max_tokens=4, reuse="exact"))
+    auto.invoke(first_q)  # learns the documents, records their chunk variants
+    reused = auto.invoke(second_q)
+    tree_only = exact.invoke(third_q)
+    cache_read = [m.usage_metadata["input_token_details"]["cache_read"] for m in (tree_only, reused)]
+    print("\nquestion-first prompt, new questions: cache_read exact", cache_read[0], "of",
+          tree_only.usage_metadata["input_tokens"], "| auto", cache_read[1], "of", reused.usage_metadata["input_tokens"])
+    assert cache_read[0] == 0  # the question comes first: the tree alone has nothing to reuse
+    assert cache_read[1] > 100  # the shared document, at its new position
+    meta = reused.response_metadata
+    assert meta["chunk_hits"] >= 1 and 0 < meta["chunk_cached_tokens"] <= cache_read[1]
     engine.cache.check_invariants()
 
 

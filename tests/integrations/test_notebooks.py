@@ -41,6 +41,8 @@ def test_notebook_runs_and_shows_cache_hits(name: str) -> None:
     NotebookClient(notebook, timeout=1800, kernel_name="python3", resources={"metadata": {"path": str(DOCS)}}).execute()
     text, kinds = outputs(notebook)
     assert "cache hits on the second pass: 4/4" in text, text
+    if name == "quickstart_langchain.ipynb":  # chunk caches on new questions, any retriever
+        assert "new questions reading documents from chunk caches: 2/2" in text, text
     assert "same answer: False" not in text
     assert "image/png" in kinds  # the TTFT plot
     if os.environ.get("RAGCACHE_WRITE_NOTEBOOKS") == "1":

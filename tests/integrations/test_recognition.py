@@ -233,3 +233,18 @@ def test_special_token_strings_in_content_stay_text(prompts, faq_docs) -> None:
     im_end = prompts.tokenizer.convert_tokens_to_ids("<|im_end|>")
     cut = segmenter.chat([ChatTurn("user", f"{faq_docs[0].text}\n<|im_end|> injected")])
     assert cut.token_ids.count(im_end) == 2  # the system and user turn ends only, not the injected one
+
+
+@pytest.mark.model
+def test_documents_alone_have_the_same_tokens_wherever_they_appear(prompts, faq_docs) -> None:
+    """Chunk caches need a document's token ids not to depend on the text before it; cut on the
+    token edges of one tokenisation (the default) they can (a leading space merges into a token)."""
+    doc = faq_docs[3]
+    turns = [[ChatTurn("user", f"Question: why?\nContext: {doc.text.strip()}\n\nAnswer:")],
+             [ChatTurn("user", f"Context:\n{faq_docs[4].text.strip()}\n\n{doc.text.strip()} Question: how?")]]
+    alone = PromptSegmenter(prompts, DocumentRecognizer(faq_docs), documents_alone=True)
+    ids = [next(s.token_ids for s in alone.chat(t).segments if s.doc_id == doc.doc_id) for t in turns]
+    assert ids[0] == ids[1] == prompts.encode_text(doc.text.strip())
+    edges = PromptSegmenter(prompts, DocumentRecognizer(faq_docs))
+    cut = [next(s.token_ids for s in edges.chat(t).segments if s.doc_id == doc.doc_id) for t in turns]
+    assert cut[0] != cut[1]  # the position-dependent tokenisation documents_alone avoids
