@@ -14,7 +14,8 @@ question; chunk caches can reuse every document seen before, at any position.
 Protocol, per request, after ``--warmup`` requests that fill the caches (served one at a time):
 
 1. Quality: one batch of concurrent requests on the chunk engine, all over the same cache state
-   (``store=False``): full recomputation (the reference), then each recompute rule: full reuse with
+   (``store=False``, ``reuse="chunk"``: every document goes through the rule under test): full
+   recomputation (the reference), then each recompute rule: full reuse with
    RoPE fixed and no recomputation; CacheBlend-style selection (every reused token through layer 1,
    then the 15% whose K/V deviate most); each chunk's first 32 tokens (EPIC-style); Cache-Craft's
    CFO at every ``--alphas`` value with the serving rule's quality guard, and at the serving alpha
@@ -77,6 +78,19 @@ def cfo_name(alpha: float, extra: str = "") -> str:
     return f"Cache-Craft CFO, alpha {alpha:g}{extra}"
 
 
+def selection_grid(shares: list[float]) -> dict[str, RecomputeRule]:
+    """Token selection at equal recompute shares (``--selection-grid``): Cache-Craft's ranking by
+    recorded inter-attention (eq. 14), CacheBlend-style deviation at layer 1, and each chunk's
+    leading tokens (EPIC-style, 300-token chunks assumed for the count)."""
+    out = {}
+    for share in shares:
+        out[f"share {share:g}: by inter-attention (eq. 14)"] = RecomputeRule("share", share=share)
+        out[f"share {share:g}: by K/V deviation at layer 1"] = RecomputeRule("blend", share=share)
+        out[f"share {share:g}: leading {round(share * 300)} tokens"] = RecomputeRule("leading", leading=round(share * 300))
+    out[NONE] = RecomputeRule("none")
+    return out
+
+
 def rules(alphas: list[float], serving: RecomputeRule) -> dict[str, RecomputeRule]:
     """The rules compared on every request; the CFO sweep runs with the serving rule's guard."""
     out = {
@@ -87,6 +101,8 @@ def rules(alphas: list[float], serving: RecomputeRule) -> dict[str, RecomputeRul
     for a in alphas:
         out[cfo_name(a)] = RecomputeRule("cfo", alpha=a, guard=serving.guard)
     out[cfo_name(serving.alpha, ", no guard")] = RecomputeRule("cfo", alpha=serving.alpha)
+    out[cfo_name(serving.alpha, ", paper's beta (no added-context term)")] = RecomputeRule(
+        "cfo", alpha=serving.alpha, guard=serving.guard, added_context=False)
     out[cfo_name(serving.alpha, ", Algorithm 1 (w=3)")] = RecomputeRule("cfo", alpha=serving.alpha, guard=serving.guard,
                                                                        focus_window=3)
     out[ALL] = RecomputeRule("all")
@@ -141,6 +157,8 @@ def main() -> None:
     ap.add_argument("--device-mib", type=int, default=512)
     ap.add_argument("--host-mib", type=int, default=2048)
     ap.add_argument("--vllm", action="store_true", help="run vLLM (benchmarks/setup_peers.sh vllm) on the same prompts")
+    ap.add_argument("--selection-grid", default="", help="instead of the rule table: token selection methods at these "
+                    "comma-separated recompute shares (e.g. 0.1,0.3,0.5,0.7)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--png", type=Path, default=None)
     args = ap.parse_args()
@@ -163,7 +181,8 @@ def main() -> None:
     tree = RAGCacheEngine(EngineConfig(reuse="exact", **base), loaded=loaded, profile=chunk.profile)
     off = RAGCacheEngine(EngineConfig(enable_cache=False, **base), loaded=loaded, profile=chunk.profile)
     serving = chunk_cfg.recompute_rule()
-    table = rules([float(a) for a in args.alphas.split(",") if a], serving)
+    grid = [float(x) for x in args.selection_grid.split(",") if x]
+    table = selection_grid(grid) if grid else rules([float(a) for a in args.alphas.split(",") if a], serving)
     one, gen = SamplingParams(max_tokens=1), SamplingParams(max_tokens=args.max_tokens)
     prompts = []
     for question, docs in items[: args.warmup]:
@@ -177,7 +196,9 @@ def main() -> None:
         segs, _ = chunk.segments_for(question, docs, gen, question_first=True)
         prompts.append([t for s in segs for t in s.token_ids])
         ref = chunk.submit_segments(segs, gen, use_cache=False, keep_logits=True)
-        runs = {name: chunk.submit_segments(segs, gen, recompute=rule, store=False, keep_logits=True)
+        # reuse="chunk": every document is served by the rule under test (no exact or approximate
+        # tree path past the first document), all over the same cache state
+        runs = {name: chunk.submit_segments(segs, gen, reuse="chunk", recompute=rule, store=False, keep_logits=True)
                 for name, rule in table.items()}
         ref_res = ref.result()
         rec = {"question": question, "docs": [d.doc_id for d in docs], "prompt_tokens": ref_res.prompt_tokens,
@@ -202,7 +223,7 @@ def main() -> None:
         rec["serving"] = {"chunk_hits": serve.chunk_hits, "recomputed": serve.recomputed_tokens,
                           "chunk_cached": serve.chunk_cached_tokens, "guarded": serve.guarded_chunks}
         records.append(rec)
-        cc = rec["rules"][cfo_name(serving.alpha, ", no guard")]
+        cc = rec["rules"].get(cfo_name(serving.alpha, ", no guard"), rec["rules"][NONE])
         print(f"[{time.perf_counter() - t0:6.0f}s] {n + 1}/{args.requests} prompt {ref_res.prompt_tokens} tok: "
               f"computed chunk {serve.computed_tokens} / tree {exact.computed_tokens}; TTFT chunk {serve.ttft_s:.3f} "
               f"tree {exact.ttft_s:.3f} off {cold.ttft_s:.3f}; CFO rouge {cc['rouge_l']:.2f} first {cc['first_token']}",
@@ -218,7 +239,7 @@ def main() -> None:
     report(res, table)
     if args.json:
         args.json.write_text(json.dumps(res, indent=1))
-    if args.png:
+    if args.png and not grid:
         plot(res, args.png, [float(a) for a in args.alphas.split(",") if a])
     for eng in (chunk, tree, off):
         eng.close()

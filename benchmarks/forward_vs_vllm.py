@@ -169,7 +169,7 @@ class VLLMPeer:
 
 def miss_overhead(engine: RAGCacheEngine, args, rng: random.Random) -> dict:
     """Mean TTFT of 0%-hit requests with the cache on vs off (steady state: the cache is full)."""
-    eng = RAGCacheEngine(EngineConfig(model=str(MODEL_DIR), dtype="bfloat16", threads=args.threads,
+    eng = RAGCacheEngine(EngineConfig(model=str(MODEL_DIR), dtype=engine.config.dtype, threads=args.threads,
                                       device_budget_bytes=args.miss_device_mib * MiB,
                                       host_budget_bytes=args.miss_host_mib * MiB),
                          loaded=engine.loaded, profile=engine.profile)
@@ -282,6 +282,8 @@ def main() -> None:
     ap.add_argument("--doc-tokens", type=int, default=480, help="random token ids decoded into each document's text")
     ap.add_argument("--no-vllm", action="store_true", help="ours only")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                    help="both systems' dtype (float32 on CPUs without bf16 arithmetic, where bf16 is emulated)")
     ap.add_argument("--json", type=Path, default=None, help="write every raw number here")
     args = ap.parse_args()
     out_dir = (args.json.parent if args.json else HERE / "logs").resolve()
@@ -293,14 +295,14 @@ def main() -> None:
         print("writing the bf16 model folder ...", flush=True)
         convert_hf(HERE / "models")
     print("ours: loading the engine (first run on this model also measures its prefill profile) ...", flush=True)
-    engine = RAGCacheEngine(EngineConfig(model=str(MODEL_DIR), dtype="bfloat16", threads=args.threads,
+    engine = RAGCacheEngine(EngineConfig(model=str(MODEL_DIR), dtype=args.dtype, threads=args.threads,
                                          device_budget_bytes=256 * MiB, host_budget_bytes=0))
     ours = Ours(engine)
     peer, vllm_error = None, None
     if not args.no_vllm:
         print("vLLM: starting the worker (a minute or two) ...", flush=True)
         try:
-            peer = VLLMPeer(args.threads, 512 * MiB, out_dir)
+            peer = VLLMPeer(args.threads, 512 * MiB, out_dir, dtype=args.dtype)
             res["vllm_info"] = peer.info
         except PeerError as exc:
             vllm_error = str(exc)
@@ -326,7 +328,7 @@ def report(res: dict, args) -> None:
     m, vi = res["machine"], res.get("vllm_info", {})
     print(f"\nmachine: {m['cpu']}, nproc {m['nproc']}; {m['date']}; at start {m['load_start']}; at end {m['load_end']}")
     print(f"torch {m['torch']} (ours); vLLM {vi.get('vllm', '-')} with torch {vi.get('torch', '-')}; threads {args.threads} each; "
-          f"bf16 {MODEL_DIR.name}; {args.repeats} rounds, median (min) in ms")
+          f"{args.dtype} {MODEL_DIR.name}; {args.repeats} rounds, median (min) in ms")
     if res["ours_wall_s"]:
         print(f"vLLM's processes used {100 * res['vllm_cpu_s_while_ours_ran'] / res['ours_wall_s']:.1f}% of a core while ours ran")
     fmt = "{:<34} {:>17} {:>17} {:>8} {:>7} {:>7} {:>15}"

@@ -45,7 +45,7 @@ class EngineConfig(BaseModel):
     chunk_share: float = Field(0.15, ge=0.0, le=1.0, description="share of a reused chunk's tokens recomputed under chunk_recompute='share'")
     chunk_leading: int = Field(32, ge=0, description="tokens recomputed at the start of a reused chunk under chunk_recompute='leading'")
     chunk_fresh_above: float = Field(0.6, ge=0.0, le=1.0, description="a chunk whose best variant's CFO is above this is computed in full and kept as a new variant")
-    chunk_guard: float | None = Field(0.5, gt=0.0, description="quality guard: a reused chunk whose recomputed tokens' K/V moved by more than this (relative L2, mean over its recomputed tokens and layers) is recomputed in full before the first token; None disables it")
+    chunk_guard: float | None = Field(0.2, gt=0.0, description="quality guard: a reused chunk whose recomputed tokens' K/V moved by more than this (relative L2, mean over its recomputed tokens and layers) is recomputed in full before the first token; None disables it")
     chunk_focus_window: int | None = Field(None, ge=1, description="Cache-Craft Algorithm 1: stop recomputing unfocused chunks once the question's focused set is stable for this many layers; None: off")
     chunk_variants_per_chunk: int = Field(4, ge=1, description="M: cached variants kept per chunk (Cache-Craft §3.3)")
     chunk_max_variants: int = Field(1024, ge=1, description="N x M: cached variants kept in total (lowest f_r evicted)")

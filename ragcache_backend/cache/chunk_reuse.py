@@ -70,6 +70,26 @@ def prefix_overlap(stats: VariantStats, new_prefix: Sequence[str]) -> float:
     return sum(w for cid, w in zip(stats.prefix, stats.inter) if cid in present) / total
 
 
+def added_context_factor(stats: VariantStats, new_prefix: Sequence[str], new_lengths: Sequence[int]) -> float:
+    """Our extension of eq. 6 for context the variant never saw: ``L_old / (L_old + L_added)``,
+    where ``L_old`` is the length of its recorded prefix and ``L_added`` that of the parts of
+    ``S_new`` not in ``S_old`` (the attention sink excluded). Eq. 6 counts only context that was
+    lost, so a document computed after ``[S, A]`` and reused after ``[S, X, A]`` gets ``beta = 1``
+    and nothing recomputed, although its tokens would now attend to ``X``; assuming ``X`` draws as
+    much attention per token as the old prefix did, the share of the new context's attention the
+    variant accounts for is this factor. 1.0 when nothing was added or the variant had no prefix.
+
+    Raises:
+        ValueError: ``new_lengths`` not aligned with ``new_prefix``.
+    """
+    if len(new_lengths) != len(new_prefix):
+        raise ValueError(f"{len(new_lengths)} lengths for {len(new_prefix)} prefix parts")
+    old = set(stats.prefix)
+    l_old = sum(stats.prefix_lengths)
+    l_added = sum(n for key, n in zip(new_prefix, new_lengths) if key not in old and key != SINK_KEY)
+    return l_old / (l_old + l_added) if l_old and l_added else 1.0
+
+
 def order_penalty(old_prefix: Sequence[str], new_prefix: Sequence[str]) -> float:
     """``gamma`` (eq. 7): discordant pairs among the ``m`` chunks common to both orders, over
     ``m (m - 1) / 2``; 0.0 when ``m < 2``."""
@@ -82,9 +102,13 @@ def order_penalty(old_prefix: Sequence[str], new_prefix: Sequence[str]) -> float
     return discordant / (m * (m - 1) / 2)
 
 
-def adjusted_overlap(stats: VariantStats, new_prefix: Sequence[str]) -> float:
-    """``beta' = beta (1 - gamma)`` (eq. 8)."""
-    return prefix_overlap(stats, new_prefix) * (1.0 - order_penalty(stats.prefix, new_prefix))
+def adjusted_overlap(stats: VariantStats, new_prefix: Sequence[str], new_lengths: Sequence[int] | None = None) -> float:
+    """``beta' = beta (1 - gamma)`` (eq. 8); with ``new_lengths`` (the parts' token counts), beta
+    also scaled by :func:`added_context_factor`."""
+    beta = prefix_overlap(stats, new_prefix)
+    if new_lengths is not None:
+        beta *= added_context_factor(stats, new_prefix, new_lengths)
+    return beta * (1.0 - order_penalty(stats.prefix, new_prefix))
 
 
 def context_impact(stats: VariantStats) -> float:
@@ -95,16 +119,19 @@ def context_impact(stats: VariantStats) -> float:
     return 1.0 / (1.0 + math.exp(-a / b))
 
 
-def fix_overhead(stats: VariantStats, new_prefix: Sequence[str], alpha: float) -> float:
+def fix_overhead(stats: VariantStats, new_prefix: Sequence[str], alpha: float,
+                 new_lengths: Sequence[int] | None = None) -> float:
     """``CFO = alpha CCI (1 - beta')`` (eq. 12), clamped to [0, 1]: the share of the chunk's tokens
-    to recompute when this variant serves a request whose chunks before it are ``new_prefix``.
+    to recompute when this variant serves a request whose chunks before it are ``new_prefix``
+    (``new_lengths``: their token counts, to count added context; see :func:`adjusted_overlap`).
 
     Raises:
         ValueError: ``alpha`` negative.
     """
     if alpha < 0:
         raise ValueError(f"alpha must be >= 0, got {alpha}")
-    return min(1.0, max(0.0, alpha * context_impact(stats) * (1.0 - adjusted_overlap(stats, new_prefix))))
+    beta = adjusted_overlap(stats, new_prefix, new_lengths)
+    return min(1.0, max(0.0, alpha * context_impact(stats) * (1.0 - beta)))
 
 
 def recompute_count(cfo: float, length: int) -> int:
@@ -134,7 +161,8 @@ class VariantChoice:
     recompute: tuple[int, ...]
 
 
-def choose_variant(variants: Sequence[VariantStats], new_prefix: Sequence[str], alpha: float) -> VariantChoice:
+def choose_variant(variants: Sequence[VariantStats], new_prefix: Sequence[str], alpha: float,
+                   new_lengths: Sequence[int] | None = None) -> VariantChoice:
     """The variant with the lowest CFO for this prefix (§3.1; ties go to the first listed), with its
     tokens to recompute.
 
@@ -143,7 +171,7 @@ def choose_variant(variants: Sequence[VariantStats], new_prefix: Sequence[str], 
     """
     if not variants or len({v.chunk for v in variants}) != 1:
         raise ValueError("choose_variant needs at least one variant, all of the same chunk")
-    scored = [(fix_overhead(v, new_prefix, alpha), i) for i, v in enumerate(variants)]
+    scored = [(fix_overhead(v, new_prefix, alpha, new_lengths), i) for i, v in enumerate(variants)]
     cfo, idx = min(scored)
     best = variants[idx]
     return VariantChoice(best, cfo, tokens_to_recompute(best, recompute_count(cfo, best.length)))
@@ -188,6 +216,8 @@ class RecomputeRule:
             tokens' K/V moved by more than this (relative L2, averaged over its recomputed tokens
             and the layers) is recomputed in full before the first token is sampled.
         focus_window: Algorithm 1's ``w`` (focused-chunk early termination, §3.2.2), or None: off.
+        added_context: count context the variant never saw in beta (:func:`added_context_factor`,
+            our extension of eq. 6); False is the paper's formula.
     """
 
     kind: str = "cfo"
@@ -196,6 +226,7 @@ class RecomputeRule:
     leading: int = 32
     guard: float | None = None
     focus_window: int | None = None
+    added_context: bool = True
 
     def __post_init__(self) -> None:
         if self.kind not in ("cfo", "all", "none", "leading", "share", "blend"):
@@ -205,14 +236,15 @@ class RecomputeRule:
             raise ValueError(f"bad recompute rule {self}")
 
 
-def choose_with_rule(variants: Sequence[VariantStats], new_prefix: Sequence[str], rule: RecomputeRule) -> VariantChoice:
+def choose_with_rule(variants: Sequence[VariantStats], new_prefix: Sequence[str], rule: RecomputeRule,
+                     new_lengths: Sequence[int] | None = None) -> VariantChoice:
     """The variant with the lowest CFO (§3.1) and the tokens ``rule`` recomputes for it; ``cfo`` in
     the result is the share of the chunk's tokens recomputed.
 
     Raises:
         ValueError: as :func:`choose_variant`.
     """
-    choice = choose_variant(variants, new_prefix, rule.alpha)
+    choice = choose_variant(variants, new_prefix, rule.alpha, new_lengths if rule.added_context else None)
     stats, n = choice.stats, choice.stats.length
     if rule.kind == "cfo":
         return choice
@@ -228,6 +260,9 @@ def choose_with_rule(variants: Sequence[VariantStats], new_prefix: Sequence[str]
 
 
 # ---- variants as the cache keeps them -------------------------------------------------------------
+
+SINK_KEY = "<sink>"
+"""The context part id of the attention sink (never counted as context)."""
 
 SINK_TOKENS = 4
 """Tokens at the very start of every prompt left out of inter-attention. They are the same template

@@ -124,13 +124,15 @@ class CacheStats:
     variant_evictions: int = 0  # variants dropped by the per-chunk or total cap (lowest f_r)
 
 
-def _part_keys(specs: Sequence[ChunkSpec]) -> tuple[tuple[str, ...], list[int]]:
-    """Every context part's id, unique within the prompt, and the index of each spec's first part."""
-    keys, first = [], []
+def _part_keys(specs: Sequence[ChunkSpec]) -> tuple[tuple[str, ...], tuple[int, ...], list[int]]:
+    """Every context part's id (unique within the prompt) and length, and each spec's first part."""
+    keys, lengths, first = [], [], []
     for spec in specs:
         first.append(len(keys))
-        keys.extend(part.key for part in spec.context_parts())
-    return context_keys(keys), first
+        for part in spec.context_parts():
+            keys.append(part.key)
+            lengths.append(part.num_tokens)
+    return context_keys(keys), tuple(lengths), first
 
 
 class TieredCache:
@@ -383,7 +385,7 @@ class TieredCache:
                 f"but the device arena holds only {self._alloc.num_blocks}; raise the device budget or shorten it")
         acq = self.acquire(self.match([s.key for s in specs[: max(0, exact_upto)]], approximate=True))
         prefix = list(acq.nodes)
-        keys, first_part = _part_keys(specs)
+        keys, lengths, first_part = _part_keys(specs)
         start = acq.cached_tokens
         pieces, sources = [], []
         device_hits, host_hits = acq.device_hits, acq.host_hits
@@ -392,7 +394,7 @@ class TieredCache:
             context = keys[: first_part[i]]
             use = None
             if spec.chunk and keys[first_part[i]] == spec.key:  # a document's first occurrence in the prompt
-                use = self._plan_variant(spec, context, start, rule, prefix + sources)
+                use = self._plan_variant(spec, context, lengths[: first_part[i]], start, rule, prefix + sources)
             if use is not None and rule.kind == "cfo" and use.cfo > fresh_above:
                 use = None
             if use is not None:
@@ -417,41 +419,50 @@ class TieredCache:
         return ChunkLease(prefix=prefix, pieces=pieces, tail_blocks=self.allocate(blocks_for(tail_tokens, self.block_size)),
                           sources=sources, device_hits=device_hits, host_hits=host_hits)
 
-    def _plan_variant(self, spec: ChunkSpec, context: tuple[str, ...], start: int, rule: RecomputeRule,
-                      held: list[Node]) -> VariantUse | None:
+    def _plan_variant(self, spec: ChunkSpec, context: tuple[str, ...], lengths: Sequence[int], start: int,
+                      rule: RecomputeRule, held: list[Node]) -> VariantUse | None:
         """The lowest-CFO usable variant of ``spec``'s chunk for ``context`` (not yet locked), or None."""
         cands = [n for n in self.variants(spec.key)
                  if n.num_tokens == spec.num_tokens and n not in held
                  and (n.in_device or n.parent is None or n.parent.is_root or n.parent.in_device)]
         if not cands:
             return None
-        choice = choose_with_rule([n.variant.stats for n in cands], context, rule)
+        cands.sort(key=lambda n: n.approximate)  # on equal CFO, a variant computed exactly wins (stable sort)
+        choice = choose_with_rule([n.variant.stats for n in cands], context, rule, lengths)
         node = next(n for n in cands if n.variant.stats is choice.stats)
         return VariantUse(node, choice.cfo, choice.recompute, start - node.variant.start)
 
     def _acquire_node(self, node: Node) -> bool:
-        """Lock ``node`` and make sure it is on device (its parent already is); False if no room."""
+        """Lock ``node`` and make sure it is on device (its parent already is, and stays there while
+        room is made: it is held for the swap-in); False if no room."""
         self._lock(node)
         if node.in_device:
             return True
-        need = blocks_for(node.num_tokens, self.block_size)
-        if not self._make_device_room(need):
-            self._unlock(node)
-            return False
-        blocks = self._alloc.allocate(need)
-        t0 = time.perf_counter()
+        parent = node.parent if node.parent is not None and not node.parent.is_root else None
+        if parent is not None:
+            self._lock(parent)
         try:
-            self._mover.swap_in(node.host_kv, blocks)
-        except BaseException:
-            self._alloc.free(blocks)
-            self._unlock(node)
-            raise
+            need = blocks_for(node.num_tokens, self.block_size)
+            if not self._make_device_room(need):
+                self._unlock(node)
+                return False
+            blocks = self._alloc.allocate(need)
+            t0 = time.perf_counter()
+            try:
+                self._mover.swap_in(node.host_kv, blocks)
+            except BaseException:
+                self._alloc.free(blocks)
+                self._unlock(node)
+                raise
+            finally:
+                self.stats.copy_s += time.perf_counter() - t0
+            node.device_blocks = blocks
+            self.stats.swap_ins += 1
+            self._set_priority(node, DEVICE)
+            return True
         finally:
-            self.stats.copy_s += time.perf_counter() - t0
-        node.device_blocks = blocks
-        self.stats.swap_ins += 1
-        self._set_priority(node, DEVICE)
-        return True
+            if parent is not None:
+                self._unlock(parent)
 
     def commit_chunks(self, lease: ChunkLease, rest_tokens: int, stats: Sequence[VariantStats | None]) -> None:
         """After a successful prefill: every piece becomes a tree node (its blocks change owner):
@@ -480,7 +491,8 @@ class TieredCache:
         for piece, st in zip(lease.pieces, stats):
             if piece.use is not None:
                 approx = True
-                piece.use.node.variant.reuse_score += 1.0 / max(piece.use.cfo, 1e-3)
+                if piece.use.node.variant is not None:  # (its variant role may have been evicted meanwhile)
+                    piece.use.node.variant.reuse_score += 1.0 / max(piece.use.cfo, 1e-3)
                 touched.append(piece.use.node)
                 computed.append(False)
             key = approximate_key(piece.spec.key) if approx else piece.spec.key
@@ -509,28 +521,27 @@ class TieredCache:
             self.add_variant(node, info)
 
     def _enforce_variant_caps(self, keep: Node) -> None:
-        """Evict the lowest-``f_r`` unlocked leaf variants until the chunk of ``keep`` has at most M
-        and the store at most N x M (§3.3); ``keep`` (just added) is never chosen."""
-        def evictable(nodes):
-            return [n for n in nodes if n is not keep and n.lock_ref == 0 and not n.children]
+        """Evict the lowest-``f_r`` variants until the chunk of ``keep`` has at most M and the store
+        at most N x M (§3.3); ``keep`` (just added) is never chosen. An evicted variant that is an
+        unlocked leaf leaves the tree (its KV is freed); one that is still a prefix of other nodes,
+        or in use, only stops being a variant (the tree and its budgets keep its KV)."""
+        def lowest(nodes):
+            return min((n for n in nodes if n is not keep), key=lambda n: (n.variant.reuse_score, n.serial), default=None)
 
         chunk = SegmentKey(keep.variant.stats.chunk)
         while len(self.variants_any(chunk)) > self.variants_per_chunk:
-            victims = evictable(self.variants_any(chunk))
-            if not victims:
-                break
-            self._drop_variant(min(victims, key=lambda n: (n.variant.reuse_score, n.serial)))
+            self._drop_variant(lowest(self.variants_any(chunk)))
         while self.num_variants > self.max_variants:
-            victims = evictable(n for k in list(self._variants) for n in self.variants_any(k))
-            if not victims:
-                break
-            self._drop_variant(min(victims, key=lambda n: (n.variant.reuse_score, n.serial)))
+            self._drop_variant(lowest(n for k in list(self._variants) for n in self.variants_any(k)))
 
     def _drop_variant(self, node: Node) -> None:
+        self.stats.variant_evictions += 1
+        if node.lock_ref or node.children:
+            node.variant = None  # pruned from the index at the next lookup
+            return
         parent = node.parent
         for m in self._tree.remove(node):
             self._free_kv(m)
-        self.stats.variant_evictions += 1
         if parent is not None and not parent.is_root:
             self._refresh(parent)
 

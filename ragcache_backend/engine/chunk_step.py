@@ -26,7 +26,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ragcache_backend.cache.chunk_reuse import SINK_TOKENS, RecomputeRule, VariantStats, context_keys, stats_from_mass
+from ragcache_backend.cache.chunk_reuse import SINK_KEY, SINK_TOKENS, RecomputeRule, VariantStats, context_keys, stats_from_mass
 from ragcache_backend.cache.lease import ChunkLease, ChunkSpec, ContextPart
 from ragcache_backend.model.chunk_rows import BlendSelection, FocusSelection
 from ragcache_backend.model.runner import MAX_STAT_SEGMENTS, ForwardInput, KVRun, ModelRunner, SegmentAttention
@@ -35,7 +35,6 @@ from ragcache_backend.prompts.builder import PromptPlan, SegmentKind
 __all__ = ["ChunkLayout", "build_input", "chunk_deviations", "chunk_specs", "context_parts", "context_runs",
            "copy_variants", "guard_flags", "variant_stats"]
 
-_SINK_KEY = "<sink>"
 _REST_KEY = "<rest>"
 TEXT_WINDOW = 16
 """Tokens per context part of non-document text (more when a prompt would exceed the statistics'
@@ -60,7 +59,7 @@ def context_parts(lead: Sequence, rest_tokens: int) -> list[tuple[ContextPart, .
         start = 0
         if i == 0 and len(ids) > 1:
             start = min(SINK_TOKENS, len(ids) - 1)
-            parts.append(ContextPart(_SINK_KEY, start))
+            parts.append(ContextPart(SINK_KEY, start))
         for a in range(start, len(ids), window):
             piece = ids[a : a + window]
             digest = hashlib.sha256(",".join(map(str, piece)).encode()).hexdigest()[:16]
@@ -150,7 +149,7 @@ def build_input(plan: PromptPlan, lease: ChunkLease, *, rule: RecomputeRule, gua
     recorded = tuple(
         piece.spec.chunk and (piece.use is None or i in full) and keys[first_part[n_prefix + i]] == piece.spec.key
         for i, piece in enumerate(lease.pieces))
-    skip = 1 if flat and flat[0].key == _SINK_KEY else 0
+    skip = 1 if flat and flat[0].key == SINK_KEY else 0
     stat_lengths = [part.num_tokens for part in flat] + [len(plan.rest)]
     stat_keys = keys + (_REST_KEY,)
     if not any(recorded) or len(stat_lengths) > MAX_STAT_SEGMENTS:

@@ -635,7 +635,7 @@ class RAGCacheEngine:
                 batch = [self._prefill_input(r) for r in admitted] + [self._decode_input(r) for r in decoders]
                 out = self.runner.forward_step(batch)
             except Exception as exc:
-                log.warning("forward step of %d sequences failed: %r", len(batch), exc)
+                log.warning("forward step of %d sequences failed: %r", len(admitted) + len(decoders), exc)
                 for req in admitted + decoders:
                     self._fail(req, exc)
                 return 0
@@ -765,9 +765,10 @@ class RAGCacheEngine:
                 lease.pieces[i].use = None
             req.guarded = len(flagged)
         req.recomputed = chunk_step.recomputed_tokens(lease, layout, depth, self.runner.num_layers)
+        # cached = exact prefix nodes + approximate ones (earlier chunk reuse) + reused chunks not recomputed
         req.chunk_cached = (lease.approximate_prefix_tokens - req.recomputed
                             + sum(p.spec.num_tokens for p in lease.pieces if p.use is not None))
-        req.computed = req.prompt_tokens - lease.cached_tokens - req.chunk_cached
+        req.computed = req.prompt_tokens - (lease.cached_tokens - lease.approximate_prefix_tokens) - req.chunk_cached
         if req.store:
             self.cache.commit_chunks(lease, req.rest_tokens, chunk_step.variant_stats(lease, layout, attention))
         return logits

@@ -96,7 +96,20 @@ class DocumentRecognizer:
         return doc_id in self._bodies
 
     def add(self, doc_id: str, text: str) -> bool:
-        """Index one document; False when it is too short or its text (or id) is already known."""
+        """Index one document; False when it is too short or its text (or id) is already known.
+
+        Watched stores are indexed first, so a document a store holds keeps the store's id even when
+        the same text is offered under another id (a learned copy) before the next :meth:`find`."""
+        self._sync()
+        return self._add(doc_id, text)
+
+    def id_of(self, text: str) -> str | None:
+        """The id under which ``text`` (stripped) is indexed, or None."""
+        self._sync()
+        with self._lock:
+            return self._id_of_body.get(text.strip())
+
+    def _add(self, doc_id: str, text: str) -> bool:
         body = text.strip()
         with self._lock:
             if len(body) < self.anchor_chars or doc_id in self._bodies or body in self._id_of_body:
@@ -126,8 +139,9 @@ class DocumentRecognizer:
             for w in self._watched:
                 size = len(w.store)
                 if size > w.indexed:
-                    self.add_documents(w.store.documents[w.indexed : size])
-                    w.indexed = size
+                    docs, w.indexed = w.store.documents[w.indexed : size], size
+                    for doc in docs:
+                        self._add(doc.doc_id, doc.text)
 
     def find(self, text: str) -> list[RecognizedSpan]:
         """Known documents in ``text``: non-overlapping spans, left to right (longest first wins)."""

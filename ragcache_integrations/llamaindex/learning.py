@@ -37,6 +37,12 @@ class RetrievedNodeLearner(BaseEventHandler):
         recognizer = known_documents()
         for scored in event.nodes or ():
             node = getattr(scored, "node", scored)
+            try:
+                plain = node.get_content(metadata_mode=MetadataMode.NONE)
+            except Exception:  # a node type without text content
+                continue
+            if not isinstance(plain, str) or recognizer.id_of(plain) is not None:
+                continue  # already known under its store's id (or not text)
             for mode in (MetadataMode.NONE, MetadataMode.LLM):
                 try:
                     text = node.get_content(metadata_mode=mode)

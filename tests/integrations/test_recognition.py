@@ -109,6 +109,17 @@ def test_watched_store_documents_are_indexed_lazily() -> None:
     assert [s.doc_id for s in rec.find(BETA.text)] == [BETA.doc_id]
 
 
+def test_a_store_document_keeps_its_id_when_a_learned_copy_comes_first() -> None:
+    store = FakeStore([ALPHA])
+    rec = DocumentRecognizer()
+    rec.watch(store)
+    store._docs.append(BETA)  # not yet indexed: the store grew after watch
+    assert rec.add("learned-copy", BETA.text) is False  # the store's own id was indexed first
+    assert rec.id_of(BETA.text) == BETA.doc_id
+    assert [s.doc_id for s in rec.find(BETA.text)] == [BETA.doc_id]
+    assert rec.id_of("never seen") is None
+
+
 def test_find_is_one_pass_over_a_large_index(faq_dir) -> None:
     """Indexing the whole Python documentation (~9.5k documents) keeps find() per prompt fast."""
     from ragcache_backend.demo.datasets import python_docs_dir

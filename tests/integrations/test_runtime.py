@@ -33,7 +33,7 @@ class StubEngine:
         self.calls = 0
         self.wait_for_cancel = wait_for_cancel
 
-    def generate_segments(self, segments, sampling, *, use_cache=None, on_text=None, cancel=None):
+    def generate_segments(self, segments, sampling, *, use_cache=None, on_text=None, cancel=None, reuse=None):
         self.calls += 1
         if self.wait_for_cancel:  # polls like the engine's decode loop does
             deadline = time.monotonic() + 5
@@ -46,7 +46,7 @@ class StubEngine:
         on_text("ok")
         return RESULT
 
-    async def agenerate_segments(self, segments, sampling, *, use_cache=None):
+    async def agenerate_segments(self, segments, sampling, *, use_cache=None, reuse=None):
         self.calls += 1
         if self.wait_for_cancel:
             await asyncio.sleep(5)
@@ -55,7 +55,7 @@ class StubEngine:
             raise self.errors.pop(0)
         return RESULT
 
-    def stream_segments(self, segments, sampling, *, use_cache=None):
+    def stream_segments(self, segments, sampling, *, use_cache=None, reuse=None):
         self.calls += 1
         if self.errors:
             raise self.errors.pop(0)

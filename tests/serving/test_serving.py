@@ -157,3 +157,37 @@ def test_bounded_burst_of_hundreds_loses_nothing(tiny_model, fixed_profile):
     assert engine.cache.host_used_bytes <= 256 * 1024
     engine.reset_cache()
     assert engine.cache.device_used_blocks == baseline_blocks == 0
+
+
+@pytest.mark.parametrize("reuse", ["auto", "chunk"])
+def test_chunk_mode_burst_with_cancellations_loses_nothing_and_leaks_nothing(tiny_model, fixed_profile, reuse):
+    """200 concurrent chunk-mode requests, documents in varying order, into a small device tier with
+    a host tier: variants are reused, evicted, swapped; cancelled ones free everything."""
+    block_bytes = 2 * 2 * 2 * 16 * 4 * 16
+    cfg = EngineConfig(device_budget_bytes=96 * block_bytes, host_budget_bytes=256 * 1024, threads=1, reuse=reuse,
+                       chunk_guard=0.05, chunk_variants_per_chunk=2, chunk_max_variants=12)
+    engine = RAGCacheEngine(cfg, loaded=tiny_model, profile=fixed_profile)
+    rng = random.Random(7)
+    reqs = [(rng.choice(QUESTIONS), rng.sample(DOCS, rng.randint(2, 4))) for _ in range(200)]
+    handles = [engine.submit(q, d, SamplingParams(max_tokens=rng.randint(1, 4)), question_first=rng.random() < 0.5)
+               for q, d in reqs]
+    for h in handles[::23]:
+        h.cancel()
+    outcomes = {"answered": 0, "cancelled": 0, "errors": 0}
+    hits = 0
+    for h in handles:
+        try:
+            r = h.result(timeout=300)
+            outcomes["answered"] += 1
+            hits += r.chunk_hits > 0
+            assert r.cached_tokens + r.computed_tokens == r.prompt_tokens and r.computed_tokens >= 1
+        except RequestCancelledError:
+            outcomes["cancelled"] += 1
+        except CacheBudgetError:
+            outcomes["errors"] += 1
+    assert sum(outcomes.values()) == 200 and outcomes["answered"] >= 170, outcomes
+    assert hits > 0 and engine.cache.stats.variant_hits > 0
+    assert engine.cache.num_variants <= 12
+    engine.wait_idle(30)
+    _at_baseline(engine)
+    engine.close()

@@ -198,3 +198,26 @@ def test_add_variant_rejects_nodes_outside_the_tree():
 
     with pytest.raises(InvalidRequestError):
         cache.add_variant(Node(K("x"), 3), VariantInfo(stats_for("x", 3, ()), 0, "f"))
+
+
+def test_on_equal_cfo_a_variant_computed_exactly_is_preferred():
+    cache = make()
+    # A computed after (SYS, X, B~): B reused -> A is an approximate node, recorded as a variant
+    run(cache, [spec("SYS", 10, False), spec("B", 20)], exact_upto=2)
+    run(cache, [spec("SYS", 10, False), spec("X", 10, False), spec("B", 20), spec("A", 20)], exact_upto=4)
+    approx = cache.variants(K("A"))
+    assert len(approx) == 1 and approx[0].approximate
+    # the same context computed exactly (auto stops its exact prefix at X: a chunk-mode request computes A fresh)
+    lease = cache.admit_chunks([spec("SYS", 10, False), spec("X", 10, False), spec("A", 20)], tail_tokens=1,
+                               exact_upto=3, rule=RecomputeRule(), fresh_above=0.0)
+    cache.commit_chunks(lease, 1, [stats_for(p.spec.key, p.spec.num_tokens, p.context) if p.spec.chunk else None
+                                   for p in lease.pieces])
+    cache.finish(lease)
+    exact = [n for n in cache.variants(K("A")) if not n.approximate]
+    assert len(exact) == 1
+    # stats_for gives every variant the same sums: same CFO for an identical new context
+    again = cache.admit_chunks([spec("SYS", 10, False), spec("Y", 10, False), spec("A", 20)], tail_tokens=1,
+                               exact_upto=3, rule=RULE)
+    assert again.pieces[1].use is not None and again.pieces[1].use.node is exact[0]
+    cache.finish(again)
+    cache.check_invariants()

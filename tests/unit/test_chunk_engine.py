@@ -137,3 +137,17 @@ def test_blend_and_focus_rules_stop_rows_and_count_them_by_depth(tiny_model, fix
     focus = eng.submit_segments(segs, GREEDY, recompute=RecomputeRule("all", focus_window=1), store=False).result()
     assert focus.recomputed_tokens < doc_tokens  # an unfocused chunk stopped after layer 1
     assert_clean(eng)
+
+
+def test_an_exact_repeat_in_auto_mode_reuses_the_approximate_prompt_whole(tiny_model, fixed_profile):
+    eng = make(tiny_model, fixed_profile)
+    eng.generate("What is the GIL?", DOCS[:3], GREEDY)
+    first = eng.generate("Why are tuples hashable?", [DOCS[1], DOCS[2], DOCS[0]], GREEDY)
+    assert first.chunk_hits == 3
+    again = eng.generate("Why are tuples hashable?", [DOCS[1], DOCS[2], DOCS[0]], GREEDY)
+    assert again.computed_tokens == 1 and again.cached_tokens == again.prompt_tokens - 1
+    assert again.chunk_hits == 0 and 0 < again.chunk_cached_tokens < again.cached_tokens  # the approximate part
+    assert again.token_ids == first.token_ids  # the same approximate KV as the first time
+    exact = eng.generate("Why are tuples hashable?", [DOCS[1], DOCS[2], DOCS[0]], GREEDY, reuse="exact")
+    assert exact.chunk_cached_tokens == 0 and exact.cached_tokens < again.cached_tokens  # never approximate KV
+    assert_clean(eng)

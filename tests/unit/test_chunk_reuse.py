@@ -175,3 +175,18 @@ def test_preload_depth_eq16():
     assert preload_depth(30, 1.0, 1e9) == 30
     with pytest.raises(ValueError):
         preload_depth(0, 1.0, 1.0)
+
+
+def test_added_context_factor_counts_context_the_variant_never_saw():
+    from ragcache_backend.cache.chunk_reuse import SINK_KEY, added_context_factor
+
+    # C3 saw C1 (2 tokens) and C2 (4); now after C1, C9 (6 tokens, new), C2 and the sink (ignored)
+    assert added_context_factor(C3, (SINK_KEY, "C1", "C9", "C2"), (4, 2, 6, 4)) == pytest.approx(6 / 12)
+    assert added_context_factor(C3, ("C1", "C2"), (2, 4)) == 1.0  # nothing added
+    # eq. 6 alone: beta = 1, nothing to fix; with the added context beta' = 0.5, CFO = CCI * 0.5
+    assert fix_overhead(C3, ("C1", "C9", "C2"), alpha=1.0) == 0.0
+    assert fix_overhead(C3, ("C1", "C9", "C2"), alpha=1.0, new_lengths=(2, 6, 4)) == pytest.approx(0.651355 * 0.5, abs=1e-6)
+    rule = RecomputeRule("cfo", added_context=False)
+    assert choose_with_rule([C3], ("C1", "C9", "C2"), rule, (2, 6, 4)).recompute == ()  # the paper's formula
+    with pytest.raises(ValueError):
+        added_context_factor(C3, ("C1",), (2, 3))
