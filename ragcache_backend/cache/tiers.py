@@ -384,40 +384,56 @@ class TieredCache:
                 f"the request needs {need} device blocks ({need * self.block_size} tokens of KV: prompt + max_tokens) "
                 f"but the device arena holds only {self._alloc.num_blocks}; raise the device budget or shorten it")
         acq = self.acquire(self.match([s.key for s in specs[: max(0, exact_upto)]], approximate=True))
-        prefix = list(acq.nodes)
-        keys, lengths, first_part = _part_keys(specs)
-        start = acq.cached_tokens
-        pieces, sources = [], []
-        device_hits, host_hits = acq.device_hits, acq.host_hits
-        for i in range(len(prefix), len(specs)):
-            spec = specs[i]
-            context = keys[: first_part[i]]
-            use = None
-            if spec.chunk and keys[first_part[i]] == spec.key:  # a document's first occurrence in the prompt
-                use = self._plan_variant(spec, context, lengths[: first_part[i]], start, rule, prefix + sources)
-            if use is not None and rule.kind == "cfo" and use.cfo > fresh_above:
-                use = None
-            if use is not None:
-                on_device = use.node.in_device
-                if self._acquire_node(use.node):
-                    sources.append(use.node)
-                    device_hits += on_device
-                    host_hits += not on_device
-                else:
-                    use = None
-            pieces.append(ChunkPiece(spec, start, context, [], use))
-            start += spec.num_tokens
-        rest = sum(blocks_for(p.spec.num_tokens, self.block_size) for p in pieces) + blocks_for(tail_tokens, self.block_size)
-        if not self._make_device_room(rest):
+        prefix, sources = list(acq.nodes), []
+        rest = sum(blocks_for(s.num_tokens, self.block_size) for s in specs[len(prefix):]) + blocks_for(tail_tokens, self.block_size)
+        try:
+            pieces, hits = self._plan_pieces(specs, prefix, acq.cached_tokens, rule, fresh_above, sources)
+            if sources and not self._make_device_room(rest):
+                # the variants' ancestors are pinned while they are held: without them, room may exist
+                self.release(sources)
+                sources.clear()
+                pieces, hits = self._plan_pieces(specs, prefix, acq.cached_tokens, None, fresh_above, sources)
+            if not self._make_device_room(rest):
+                self.release(prefix)
+                return None
+        except BaseException:
             self.release(prefix + sources)
-            return None
+            raise
         for piece in pieces:
             piece.blocks = self.allocate(blocks_for(piece.spec.num_tokens, self.block_size))
+        device_hits, host_hits = acq.device_hits + hits[0], acq.host_hits + hits[1]
         self.stats.device_hits += device_hits - acq.device_hits
         self.stats.host_hits += host_hits - acq.host_hits
         self.stats.variant_hits += len(sources)
         return ChunkLease(prefix=prefix, pieces=pieces, tail_blocks=self.allocate(blocks_for(tail_tokens, self.block_size)),
                           sources=sources, device_hits=device_hits, host_hits=host_hits)
+
+    def _plan_pieces(self, specs: Sequence[ChunkSpec], prefix: list[Node], start: int, rule: RecomputeRule | None,
+                     fresh_above: float, sources: list[Node]) -> tuple[list[ChunkPiece], tuple[int, int]]:
+        """The pieces after ``prefix``, each served from its lowest-CFO variant (locked, on device,
+        appended to ``sources``) or computed fresh; ``rule`` None: every piece fresh. Also returns
+        how many variants were found on device and how many were swapped in from host."""
+        keys, lengths, first_part = _part_keys(specs)
+        pieces, on_device, swapped = [], 0, 0
+        for i in range(len(prefix), len(specs)):
+            spec = specs[i]
+            context = keys[: first_part[i]]
+            use = None
+            if rule is not None and spec.chunk and keys[first_part[i]] == spec.key:  # a document's first occurrence
+                use = self._plan_variant(spec, context, lengths[: first_part[i]], start, rule, prefix + sources)
+            if use is not None and rule.kind == "cfo" and use.cfo > fresh_above:
+                use = None
+            if use is not None:
+                was_on_device = use.node.in_device
+                if self._acquire_node(use.node):
+                    sources.append(use.node)
+                    on_device += was_on_device
+                    swapped += not was_on_device
+                else:
+                    use = None
+            pieces.append(ChunkPiece(spec, start, context, [], use))
+            start += spec.num_tokens
+        return pieces, (on_device, swapped)
 
     def _plan_variant(self, spec: ChunkSpec, context: tuple[str, ...], lengths: Sequence[int], start: int,
                       rule: RecomputeRule, held: list[Node]) -> VariantUse | None:
@@ -452,17 +468,19 @@ class TieredCache:
                 self._mover.swap_in(node.host_kv, blocks)
             except BaseException:
                 self._alloc.free(blocks)
-                self._unlock(node)
                 raise
             finally:
                 self.stats.copy_s += time.perf_counter() - t0
-            node.device_blocks = blocks
-            self.stats.swap_ins += 1
-            self._set_priority(node, DEVICE)
-            return True
+        except BaseException:
+            self._unlock(node)
+            raise
         finally:
             if parent is not None:
                 self._unlock(parent)
+        node.device_blocks = blocks
+        self.stats.swap_ins += 1
+        self._set_priority(node, DEVICE)
+        return True
 
     def commit_chunks(self, lease: ChunkLease, rest_tokens: int, stats: Sequence[VariantStats | None]) -> None:
         """After a successful prefill: every piece becomes a tree node (its blocks change owner):

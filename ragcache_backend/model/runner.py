@@ -295,8 +295,8 @@ class ModelRunner:
         """
         if count < 1:
             raise InvalidRequestError(f"at least one statistics layer is needed, got {count}")
-        n = self.num_layers
-        self.stat_layers = frozenset(round(i * (n - 1) / max(1, count - 1)) for i in range(min(count, n)))
+        n, k = self.num_layers, min(count, self.num_layers)
+        self.stat_layers = frozenset(round(i * (n - 1) / max(1, k - 1)) for i in range(k))
 
     @property
     def kernel_tag(self) -> str:

@@ -221,3 +221,44 @@ def test_on_equal_cfo_a_variant_computed_exactly_is_preferred():
     assert again.pieces[1].use is not None and again.pieces[1].use.node is exact[0]
     cache.finish(again)
     cache.check_invariants()
+
+
+def test_a_variant_whose_pinned_ancestors_leave_no_room_is_given_up_for_a_fresh_prefill():
+    cache = make(blocks=64)
+    # SYS (2 blocks) -> DX (20) -> D (30): D's variant pins 52 blocks while it is held
+    run(cache, [spec("SYS", 20, False), spec("DX", 200), spec("D", 300)], exact_upto=3)
+    assert cache.device_used_blocks == 52
+    # SYS + Q + D + tail = 37 blocks fit the arena, but not beside D's pinned path (52 + 35)
+    lease = cache.admit_chunks([spec("SYS", 20, False), spec("Q", 5, False), spec("D", 300)], tail_tokens=40,
+                               exact_upto=3, rule=RULE)
+    assert lease is not None and [p.use for p in lease.pieces] == [None, None]
+    assert cache.locked_nodes == 1 and cache.stats.variant_hits == 0  # only SYS is held
+    cache.finish(lease)
+    assert cache.locked_nodes == 0 and cache.request_blocks == 0
+    cache.check_invariants()
+
+
+class FailingMover(SimulatedMover):
+    """A simulated mover whose host-to-device copies fail once ``broken`` is set."""
+
+    broken = False
+
+    def swap_in(self, host_kv, blocks) -> None:
+        if self.broken:
+            raise OSError("host copy failed")
+        super().swap_in(host_kv, blocks)
+
+
+def test_a_failed_swap_in_of_a_variant_holds_nothing():
+    mover = FailingMover(bytes_per_token=100)
+    cache = TieredCache(9, 10, 100_000, mover, policy="pgdsf", profile=PROFILE)
+    cache.configure_variants(fingerprint="model-a/bf16")
+    run(cache, [spec("SYS", 10, False), spec("A", 30)], exact_upto=2)
+    run(cache, [spec("X", 40, False), spec("Y", 30, False)], exact_upto=2)  # pushes A (and SYS) to host
+    assert not cache.variants(K("A"))[0].in_device
+    mover.broken = True
+    with pytest.raises(OSError, match="host copy failed"):
+        cache.admit_chunks([spec("X", 40, False), spec("Q", 5, False), spec("A", 30)], tail_tokens=1, exact_upto=3,
+                           rule=RULE)  # X is matched (locked) before A's swap-in fails
+    assert cache.locked_nodes == 0 and cache.request_blocks == 0
+    cache.check_invariants()

@@ -220,3 +220,13 @@ def test_focus_selection_stops_unfocused_chunks_once_algorithm1_decides(runner):
     with pytest.raises(InvalidRequestError):
         runner.forward_step([ForwardInput(new, ctx, (), positions=pos,
                                           focus=FocusSelection(chunks, ((82,), ()), question, window=1))])
+
+
+def test_statistics_layers_are_spread_over_the_whole_depth(runner):
+    n = runner.num_layers
+    runner.sample_stat_layers(n + 4)  # more than there are: every layer, the last one included
+    assert runner.stat_layers == frozenset(range(n))
+    runner.sample_stat_layers(2)
+    assert runner.stat_layers == frozenset({0, n - 1})
+    runner.sample_stat_layers(1)
+    assert runner.stat_layers == frozenset({0})
