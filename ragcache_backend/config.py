@@ -41,7 +41,7 @@ class EngineConfig(BaseModel):
     profile_path: Path | None = Field(None, description="prefill profile file; None = under ragcache_home()/profiles")
     reuse: Literal["exact", "chunk", "auto"] = Field("exact", description="exact: knowledge-tree prefixes only (answers identical to no cache); chunk: documents from chunk caches at any position (Cache-Craft), the tree for what precedes the first document; auto: the tree's exact prefix first, chunk caches for the rest")
     chunk_recompute: Literal["cfo", "all", "none", "leading", "share", "blend"] = Field("cfo", description="which tokens of a reused chunk are recomputed: cfo (Cache-Craft), all, none (RoPE fix only), leading (the first chunk_leading tokens, EPIC-style), share (a fixed chunk_share by inter-attention), blend (CacheBlend-style: chunk_share by K/V deviation at layer 1)")
-    chunk_alpha: float = Field(1.0, ge=0.0, description="Cache-Craft's alpha (eq. 12): CFO = alpha * CCI * (1 - beta'), the share of a reused chunk's tokens recomputed")
+    chunk_alpha: float = Field(2.0, ge=0.0, description="Cache-Craft's alpha (eq. 12): CFO = alpha * CCI * (1 - beta'), the share of a reused chunk's tokens recomputed; 2 met the quality targets in docs/benchmarks.md (2026-11-23), 1 reused more but diverged")
     chunk_share: float = Field(0.15, ge=0.0, le=1.0, description="share of a reused chunk's tokens recomputed under chunk_recompute='share'")
     chunk_leading: int = Field(32, ge=0, description="tokens recomputed at the start of a reused chunk under chunk_recompute='leading'")
     chunk_fresh_above: float = Field(0.6, ge=0.0, le=1.0, description="a chunk whose best variant's CFO is above this is computed in full and kept as a new variant")

@@ -90,5 +90,5 @@ def test_llamaindex_index_on_another_vector_store_reuses_nodes_in_chunk_mode(eng
         recorder.detach()
     cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in recorder.records]
     print("\nLlamaIndex, another vector store, cached tokens per query:", cached)
-    assert len(cached) == 2 and cached[1] > cached[0] and cached[1] > 100
+    assert len(cached) == 2 and cached[0] == 0 < cached[1]  # the shared node, after another question
     engine.cache.check_invariants()

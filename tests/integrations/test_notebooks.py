@@ -9,6 +9,7 @@ how the committed outputs were made).
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import nbformat
@@ -42,7 +43,8 @@ def test_notebook_runs_and_shows_cache_hits(name: str) -> None:
     text, kinds = outputs(notebook)
     assert "cache hits on the second pass: 4/4" in text, text
     if name == "quickstart_langchain.ipynb":  # chunk caches on new questions, any retriever
-        assert "new questions reading documents from chunk caches: 2/2" in text, text
+        found = re.search(r"new questions reading documents from chunk caches: (\d+)/2", text)
+        assert found and int(found.group(1)) >= 1, text  # a document whose context changed too much is recomputed
     assert "same answer: False" not in text
     assert "image/png" in kinds  # the TTFT plot
     if os.environ.get("RAGCACHE_WRITE_NOTEBOOKS") == "1":

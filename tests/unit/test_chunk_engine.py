@@ -22,7 +22,7 @@ GREEDY = SamplingParams(max_tokens=8)
 
 def make(model, profile, **kw) -> RAGCacheEngine:
     cfg = dict(device_budget_bytes=8 * 1024 * 1024, host_budget_bytes=16 * 1024 * 1024, reuse="auto", chunk_guard=None,
-               chunk_fresh_above=1.0)
+               chunk_fresh_above=1.0, chunk_alpha=1.0)
     cfg.update(kw)
     return RAGCacheEngine(EngineConfig(**cfg), loaded=model, profile=profile)
 
@@ -36,7 +36,7 @@ def test_documents_in_another_order_are_served_from_chunk_variants(tiny_model, f
     eng = make(tiny_model, fixed_profile)
     first = eng.generate("What is the GIL?", DOCS[:3], GREEDY)
     assert first.reuse == "auto" and first.chunk_hits == 0 and eng.cache.num_variants == 3
-    # D1 and D2 lost D0 from their context (CFO > 0); D0 only gained context (beta = 1, CFO = 0, eq. 6)
+    # D1 and D2 lost D0 from their context, D0 gained context: every variant reused, some tokens recomputed
     again = eng.generate("Why are tuples hashable?", [DOCS[1], DOCS[2], DOCS[0]], GREEDY)
     assert again.chunk_hits == 3 and again.chunk_cached_tokens > 0
     assert again.cached_tokens == again.prompt_tokens - again.computed_tokens
