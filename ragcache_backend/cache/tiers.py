@@ -383,7 +383,8 @@ class TieredCache:
             raise CacheBudgetError(
                 f"the request needs {need} device blocks ({need * self.block_size} tokens of KV: prompt + max_tokens) "
                 f"but the device arena holds only {self._alloc.num_blocks}; raise the device budget or shorten it")
-        acq = self.acquire(self.match([s.key for s in specs[: max(0, exact_upto)]], approximate=True))
+        # KV built over reused chunks is never a prefix for a request that recomputes everything
+        acq = self.acquire(self.match([s.key for s in specs[: max(0, exact_upto)]], approximate=rule.kind != "all"))
         prefix, sources = list(acq.nodes), []
         rest = sum(blocks_for(s.num_tokens, self.block_size) for s in specs[len(prefix):]) + blocks_for(tail_tokens, self.block_size)
         try:

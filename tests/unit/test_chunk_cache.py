@@ -90,6 +90,12 @@ def test_a_fresh_chunk_after_reused_kv_is_an_approximate_node_and_a_variant():
                                tail_tokens=1, exact_upto=4, rule=RULE)
     assert len(again.prefix) == 4 and again.pieces == [] and again.approximate_prefix_tokens == 50
     cache.finish(again)
+    # ... but never for a request that recomputes everything: its prefix stops at the exact KV
+    full = cache.admit_chunks([spec("SYS", 10, False), spec("Q", 5, False), spec("A", 20), spec("C", 30)],
+                              tail_tokens=1, exact_upto=4, rule=RecomputeRule("all"))
+    assert [n.key for n in full.prefix] == ["SYS", "Q"] and full.approximate_prefix_tokens == 0
+    assert all(p.use is None or len(p.use.recompute) == p.spec.num_tokens for p in full.pieces)
+    cache.finish(full)
     # a later request elsewhere reuses the approximate node as C's variant
     other = cache.admit_chunks([spec("SYS", 10, False), spec("C", 30)], tail_tokens=1, exact_upto=2, rule=RULE)
     assert other.pieces[0].use is not None and other.pieces[0].use.node is variants[0]
