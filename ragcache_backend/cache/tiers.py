@@ -459,25 +459,32 @@ class TieredCache:
         if parent is not None:
             self._lock(parent)
         try:
-            need = blocks_for(node.num_tokens, self.block_size)
-            if not self._make_device_room(need):
+            if not self._swap_in(node):
                 self._unlock(node)
                 return False
-            blocks = self._alloc.allocate(need)
-            t0 = time.perf_counter()
-            try:
-                self._mover.swap_in(node.host_kv, blocks)
-            except BaseException:
-                self._alloc.free(blocks)
-                raise
-            finally:
-                self.stats.copy_s += time.perf_counter() - t0
         except BaseException:
             self._unlock(node)
             raise
         finally:
             if parent is not None:
                 self._unlock(parent)
+        return True
+
+    def _swap_in(self, node: Node) -> bool:
+        """Copy a locked host-only ``node`` into new device blocks; False (nothing changed) if no
+        room can be made. On a failed copy the blocks are freed and the error propagates."""
+        need = blocks_for(node.num_tokens, self.block_size)
+        if not self._make_device_room(need):
+            return False
+        blocks = self._alloc.allocate(need)
+        t0 = time.perf_counter()
+        try:
+            self._mover.swap_in(node.host_kv, blocks)
+        except BaseException:
+            self._alloc.free(blocks)
+            raise
+        finally:
+            self.stats.copy_s += time.perf_counter() - t0
         node.device_blocks = blocks
         self.stats.swap_ins += 1
         self._set_priority(node, DEVICE)
@@ -608,29 +615,20 @@ class TieredCache:
             if n.in_device:
                 device_hits += 1
                 continue
-            need = blocks_for(n.num_tokens, self.block_size)
-            if not self._make_device_room(need):
+            try:
+                swapped = self._swap_in(n)
+            except BaseException:
+                for m in nodes:
+                    self._unlock(m)
+                raise
+            if not swapped:
                 for m in nodes[idx:]:
                     self._unlock(m)
                 del nodes[idx:]
                 break
-            blocks = self._alloc.allocate(need)
-            t0 = time.perf_counter()
-            try:
-                self._mover.swap_in(n.host_kv, blocks)
-            except BaseException:
-                self._alloc.free(blocks)
-                for m in nodes:
-                    self._unlock(m)
-                raise
-            finally:
-                self.stats.copy_s += time.perf_counter() - t0
-            n.device_blocks = blocks
-            self._set_priority(n, DEVICE)
             host_hits += 1
         self.stats.device_hits += device_hits
         self.stats.host_hits += host_hits
-        self.stats.swap_ins += host_hits
         return AcquiredPrefix(
             nodes=tuple(nodes),
             blocks=tuple(tuple(n.device_blocks or ()) for n in nodes),
