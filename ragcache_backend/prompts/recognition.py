@@ -122,7 +122,8 @@ class DocumentRecognizer:
 
     def add_documents(self, documents: Iterable[Document]) -> int:
         """Index several documents; returns how many were new."""
-        return sum(self.add(doc.doc_id, doc.text) for doc in documents)
+        self._sync()
+        return sum(self._add(doc.doc_id, doc.text) for doc in documents)
 
     def watch(self, store) -> None:
         """Keep every document of ``store`` (a DocumentStore) indexed, including ones it gains later.

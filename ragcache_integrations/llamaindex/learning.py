@@ -43,11 +43,11 @@ class RetrievedNodeLearner(BaseEventHandler):
                 continue
             if not isinstance(plain, str) or recognizer.id_of(plain) is not None:
                 continue  # already known under its store's id (or not text)
-            for mode in (MetadataMode.NONE, MetadataMode.LLM):
-                try:
-                    text = node.get_content(metadata_mode=mode)
-                except Exception:  # a node type without text content
-                    continue
+            try:
+                rendered = node.get_content(metadata_mode=MetadataMode.LLM)
+            except Exception:  # no rendering with metadata: the plain text alone
+                rendered = None
+            for text in (plain, rendered):
                 if isinstance(text, str) and text.strip():
                     recognizer.add(content_id(text.strip()), text)
 

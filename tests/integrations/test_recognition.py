@@ -50,6 +50,10 @@ class FakeStore:
     def documents(self) -> tuple[Document, ...]:
         return tuple(self._docs)
 
+    def add(self, document: Document) -> None:
+        """The store grows (as DocumentStore does when documents are indexed later)."""
+        self._docs.append(document)
+
 
 # ---- recognizer ---------------------------------------------------------------------------------
 def test_finds_documents_left_to_right_however_wrapped() -> None:
@@ -105,7 +109,7 @@ def test_watched_store_documents_are_indexed_lazily() -> None:
     rec.watch(store)
     rec.watch(store)  # idempotent
     assert ALPHA.doc_id in rec
-    store._docs.append(BETA)
+    store.add(BETA)
     assert [s.doc_id for s in rec.find(BETA.text)] == [BETA.doc_id]
 
 
@@ -113,7 +117,7 @@ def test_a_store_document_keeps_its_id_when_a_learned_copy_comes_first() -> None
     store = FakeStore([ALPHA])
     rec = DocumentRecognizer()
     rec.watch(store)
-    store._docs.append(BETA)  # not yet indexed: the store grew after watch
+    store.add(BETA)  # not yet indexed: the store grew after watch
     assert rec.add("learned-copy", BETA.text) is False  # the store's own id was indexed first
     assert rec.id_of(BETA.text) == BETA.doc_id
     assert [s.doc_id for s in rec.find(BETA.text)] == [BETA.doc_id]
