@@ -18,6 +18,11 @@ def ragcache_home() -> Path:
     return Path(os.environ.get("RAGCACHE_HOME", Path.home() / ".cache" / "ragcache")).expanduser()
 
 
+def default_disk_dir() -> Path:
+    """The disk tier's folder used by ``ragcache ask`` and ``ragcache serve``: ``ragcache_home()/kv``."""
+    return ragcache_home() / "kv"
+
+
 class EngineConfig(BaseModel):
     """Configuration of :class:`ragcache_backend.engine.engine.RAGCacheEngine`."""
 
@@ -49,6 +54,8 @@ class EngineConfig(BaseModel):
     chunk_focus_window: int | None = Field(None, ge=1, description="Cache-Craft Algorithm 1: stop recomputing unfocused chunks once the question's focused set is stable for this many layers; None: off")
     chunk_variants_per_chunk: int = Field(4, ge=1, description="M: cached variants kept per chunk (Cache-Craft §3.3)")
     chunk_max_variants: int = Field(1024, ge=1, description="N x M: cached variants kept in total (lowest f_r evicted)")
+    disk_dir: Path | None = Field(None, description="disk tier: a folder of checksummed safetensors KV files that survives restarts (one subfolder per model fingerprint and format version); None disables the tier")
+    disk_budget_bytes: int = Field(4096 * MiB, ge=0, description="disk tier budget, bytes (files over it are evicted by the policy, leaves first)")
     chunk_stat_layers: int = Field(6, ge=1, description="layers (evenly spaced) whose attention statistics are recorded for a new variant")
 
     def recompute_rule(self):

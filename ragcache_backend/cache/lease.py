@@ -50,6 +50,7 @@ class Lease:
         tail_blocks: request-owned device blocks for the tokens past the lead (prompt rest and
             generated tokens), ``ceil(tail_tokens / block_size)`` of them.
         device_hits, host_hits: reused nodes found on device / swapped in from host.
+        disk_hits: reused nodes read back from the disk tier (then swapped in; not in ``host_hits``).
         committed: ``commit`` ran (pending segments are now nodes of ``path``).
         released: ``release`` ran; the lease holds nothing any more.
     """
@@ -60,6 +61,7 @@ class Lease:
     tail_blocks: list[int]
     device_hits: int = 0
     host_hits: int = 0
+    disk_hits: int = 0
     committed: bool = False
     released: bool = False
 
@@ -162,6 +164,7 @@ class ChunkLease:
         tail_blocks: blocks for the prompt's rest and the generated tokens.
         sources: the variant nodes ``pieces`` copy from (locked until commit or finish).
         device_hits, host_hits: prefix nodes and variants found on device / swapped in.
+        disk_hits: prefix nodes read back from the disk tier.
         committed, released: as :class:`Lease`.
     """
 
@@ -171,6 +174,7 @@ class ChunkLease:
     sources: list[Node]
     device_hits: int = 0
     host_hits: int = 0
+    disk_hits: int = 0
     committed: bool = False
     released: bool = False
 

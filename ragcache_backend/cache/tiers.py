@@ -51,6 +51,7 @@ from typing import Protocol, TypeAlias
 
 from ragcache_backend.cache.blocks import BlockAllocator, blocks_for
 from ragcache_backend.cache.chunk_reuse import RecomputeRule, VariantInfo, VariantStats, choose_with_rule, context_keys
+from ragcache_backend.cache.disk import DiskStore, path_key
 from ragcache_backend.cache.knowledge_tree import KnowledgeTree, Node, SegmentKey, TierName, approximate_key
 from ragcache_backend.cache.lease import ChunkLease, ChunkPiece, ChunkSpec, Lease, PendingSegment, SegmentSpec, VariantUse
 from ragcache_backend.errors import CacheBudgetError, InvalidRequestError
@@ -82,6 +83,14 @@ class KVMover(Protocol):
 
     def free_host(self, host_kv: HostKV) -> None:
         """Release a host buffer."""
+        ...
+
+    def host_tensors(self, host_kv: HostKV) -> tuple:
+        """``(k, v)`` CPU tensors of a host buffer (for the disk tier only)."""
+        ...
+
+    def host_from_tensors(self, k, v) -> HostKV:
+        """A host buffer made of ``(k, v)`` read from the disk tier (for the disk tier only)."""
         ...
 
 
@@ -122,6 +131,9 @@ class CacheStats:
     variant_hits: int = 0  # chunks served from a cached variant (approximate hits)
     variants_added: int = 0  # chunk variants recorded
     variant_evictions: int = 0  # variants dropped by the per-chunk or total cap (lowest f_r)
+    disk_hits: int = 0  # nodes read back from the disk tier (then served as host hits are)
+    disk_queued: int = 0  # nodes handed to the disk tier's writer
+    host_replicas: int = 0  # upper nodes given a host copy at insertion (fault tolerance, RAGCache §6)
 
 
 def _part_keys(specs: Sequence[ChunkSpec]) -> tuple[tuple[str, ...], tuple[int, ...], list[int]]:
@@ -186,6 +198,10 @@ class TieredCache:
         self.variant_fingerprint = ""
         self.variants_per_chunk = 4
         self.max_variants = 1024
+        self._disk: DiskStore | None = None
+        self._to_persist: list[Node] = []  # exact nodes inserted since the last persist_pending
+        #: nodes at this depth or above (1 = the system-prompt level) get a host copy when inserted
+        self.replica_depth = 1
 
     # ----------------------------------------------------------------- read-only views
     @property
@@ -214,6 +230,15 @@ class TieredCache:
     @property
     def host_used_bytes(self) -> int:
         return self._host_used
+
+    @property
+    def disk(self) -> DiskStore | None:
+        """The disk tier, if attached."""
+        return self._disk
+
+    @property
+    def disk_used_bytes(self) -> int:
+        return self._disk.used_bytes if self._disk is not None else 0
 
     def clock(self, tier: TierName) -> float:
         """The tier's logical clock (eq. 2); starts at 0."""
@@ -246,7 +271,8 @@ class TieredCache:
                 f"the request needs {total} device blocks ({total * self.block_size} tokens of KV: prompt "
                 f"+ max_tokens) but the device arena holds only {cap}; raise the device budget or shorten it"
             )
-        acq = self.acquire(self.match([s.key for s in lead]))
+        match, from_disk = self._match_with_disk([s.key for s in lead])
+        acq = self.acquire(match)
         path = list(acq.nodes)
         todo = lead[len(path):]
         need = [blocks_for(s.num_tokens, self.block_size) for s in todo]
@@ -255,8 +281,10 @@ class TieredCache:
             self.release(path)
             return None
         pending = [PendingSegment(s, self.allocate(n)) for s, n in zip(todo, need)]
+        disk_hits = min(from_disk, acq.host_hits)
+        self.stats.host_hits -= disk_hits
         return Lease(path=path, reused=len(path), pending=pending, tail_blocks=self.allocate(tail_need),
-                     device_hits=acq.device_hits, host_hits=acq.host_hits)
+                     device_hits=acq.device_hits, host_hits=acq.host_hits - disk_hits, disk_hits=disk_hits)
 
     def commit(self, lease: Lease, rest_tokens: int) -> None:
         """After a successful prefill: insert the lease's computed segments as tree nodes (their
@@ -278,6 +306,7 @@ class TieredCache:
             p = lease.pending.pop(0)
             parent = self.insert(parent, p.spec.key, p.spec.num_tokens, p.blocks)
             lease.path.append(parent)
+            self._after_insert(parent, len(lease.path))
         lease.committed = True
         if lease.path:  # a request that does not use the cache leaves the statistics alone
             computed = [False] * lease.reused + [True] * (len(lease.path) - lease.reused)
@@ -384,7 +413,8 @@ class TieredCache:
                 f"the request needs {need} device blocks ({need * self.block_size} tokens of KV: prompt + max_tokens) "
                 f"but the device arena holds only {self._alloc.num_blocks}; raise the device budget or shorten it")
         # KV built over reused chunks is never a prefix for a request that recomputes everything
-        acq = self.acquire(self.match([s.key for s in specs[: max(0, exact_upto)]], approximate=rule.kind != "all"))
+        match, from_disk = self._match_with_disk([s.key for s in specs[: max(0, exact_upto)]], approximate=rule.kind != "all")
+        acq = self.acquire(match)
         prefix, sources = list(acq.nodes), []
         rest = sum(blocks_for(s.num_tokens, self.block_size) for s in specs[len(prefix):]) + blocks_for(tail_tokens, self.block_size)
         try:
@@ -402,12 +432,14 @@ class TieredCache:
             raise
         for piece in pieces:
             piece.blocks = self.allocate(blocks_for(piece.spec.num_tokens, self.block_size))
-        device_hits, host_hits = acq.device_hits + hits[0], acq.host_hits + hits[1]
-        self.stats.device_hits += device_hits - acq.device_hits
-        self.stats.host_hits += host_hits - acq.host_hits
+        disk_hits = min(from_disk, acq.host_hits)
+        self.stats.host_hits -= disk_hits
+        device_hits, host_hits = acq.device_hits + hits[0], acq.host_hits - disk_hits + hits[1]
+        self.stats.device_hits += hits[0]
+        self.stats.host_hits += hits[1]
         self.stats.variant_hits += len(sources)
         return ChunkLease(prefix=prefix, pieces=pieces, tail_blocks=self.allocate(blocks_for(tail_tokens, self.block_size)),
-                          sources=sources, device_hits=device_hits, host_hits=host_hits)
+                          sources=sources, device_hits=device_hits, host_hits=host_hits, disk_hits=disk_hits)
 
     def _plan_pieces(self, specs: Sequence[ChunkSpec], prefix: list[Node], start: int, rule: RecomputeRule | None,
                      fresh_above: float, sources: list[Node]) -> tuple[list[ChunkPiece], tuple[int, int]]:
@@ -531,6 +563,8 @@ class TieredCache:
                 continue
             node = self.insert(parent, key, piece.spec.num_tokens, piece.blocks)
             node.approximate = approx
+            if not approx:
+                self._after_insert(node, len(KnowledgeTree.path_to(node)))
             piece.node, piece.blocks, parent = node, list(node.device_blocks or ()), node
             touched.append(node)
             computed.append(True)
@@ -586,6 +620,125 @@ class TieredCache:
         tail, lease.tail_blocks = lease.tail_blocks, []
         if tail:
             self.free(tail)
+
+    # ----------------------------------------------------------------- disk tier and replicas
+    def attach_disk(self, disk: DiskStore) -> None:
+        """Use ``disk`` as the tier below host memory: exact nodes are written to it after they are
+        inserted (:meth:`persist_pending`), and a prefix match that runs past what memory holds
+        continues on disk (files read into the host tier, then swapped in as host hits are)."""
+        self._disk = disk
+
+    def close_disk(self, timeout: float | None = 30.0) -> None:
+        """Finish the disk tier's queued writes (up to ``timeout`` seconds) and stop its writer."""
+        if self._disk is not None:
+            self._disk.close(timeout)
+
+    def _match_with_disk(self, keys: Sequence[SegmentKey], *, approximate: bool = False) -> tuple[MatchResult, int]:
+        """:meth:`match`, continued on the disk tier: each further segment whose file exists is read
+        (checksum verified) into the host tier as a new node. Returns the match and how many of its
+        nodes came from disk. Stops at the first segment not on disk, a file that fails
+        verification (deleted and recomputed), or a host tier with no room."""
+        match = self.match(keys, approximate=approximate)
+        nodes = list(match.nodes)
+        disk = self._disk
+        if disk is None or len(nodes) >= len(keys) or any(n.approximate for n in nodes) or self.host_budget_bytes == 0:
+            return match, 0
+        for n in nodes:
+            self._lock(n)  # room made in host below must not evict the path being extended
+        loaded: list[Node] = []
+        try:
+            parent = nodes[-1] if nodes else self._tree.root
+            pkey = self._path_key(parent)
+            for key in keys[len(nodes):]:
+                pkey = path_key(pkey, key)
+                entry = disk.lookup(pkey)
+                if entry is None or key in parent.children:
+                    break
+                nbytes = self._mover.host_nbytes(entry.num_tokens)
+                if not self._make_host_room(nbytes):
+                    break
+                kv = disk.load(entry)
+                if kv is None:
+                    break
+                node = self._tree.add_child(parent, key, entry.num_tokens)
+                node.host_kv = self._mover.host_from_tensors(*kv)
+                self._host_used += nbytes
+                node.frequency, node.total_cost, node.num_computed = entry.frequency, entry.avg_cost, 1
+                self._lock(node)
+                loaded.append(node)
+                self._set_priority(node, HOST)
+                parent = node
+        finally:
+            for n in nodes + loaded:
+                self._unlock(n)
+        self.stats.disk_hits += len(loaded)
+        if not loaded:
+            return match, 0
+        nodes += loaded
+        return MatchResult(tuple(nodes), tuple(n.tiers[0] for n in nodes), sum(n.num_tokens for n in nodes)), len(loaded)
+
+    def _path_key(self, node: Node) -> str:
+        pkey = ""
+        for n in KnowledgeTree.path_to(node):
+            pkey = path_key(pkey, n.key)
+        return pkey
+
+    def _after_insert(self, node: Node, depth: int) -> None:
+        """A node was inserted by a commit: queue it for the disk tier; an upper node (the system
+        prompt) also gets a host copy now (RAGCache §6: a failure of the device tier loses no hot
+        prefix, and a later device eviction frees it without a copy)."""
+        if self._disk is not None and not node.approximate:
+            self._to_persist.append(node)
+        if depth <= self.replica_depth and not node.in_host and self.host_budget_bytes > 0 and node.lock_ref:
+            if self._swap_out(node):
+                self.stats.host_replicas += 1
+
+    def persist_pending(self, max_bytes: int = 64 << 20) -> int:
+        """Hand nodes inserted since the last call to the disk tier's writer (their missing ancestors
+        first), copying device-only KV to host memory for it; called by the engine after a step's
+        tokens went out. At most ``max_bytes`` of KV are copied per call (the rest waits). Returns
+        the nodes queued."""
+        disk = self._disk
+        if disk is None or not self._to_persist:
+            return 0
+        todo, self._to_persist = self._to_persist, []
+        queued = copied = 0
+        for i, node in enumerate(todo):
+            if copied >= max_bytes:
+                self._to_persist = todo[i:] + self._to_persist
+                break
+            if node.parent is None or not node.resident or node.approximate:
+                continue  # evicted meanwhile, or removed
+            pkey = ""
+            for n in KnowledgeTree.path_to(node):
+                parent, pkey = pkey, path_key(pkey, n.key)
+                if disk.contains(pkey):
+                    continue
+                if not n.resident:
+                    break
+                if n.in_host:
+                    k, v = self._mover.host_tensors(n.host_kv)
+                else:
+                    k, v = self._mover.host_tensors(self._mover.swap_out(n.device_blocks or (), n.num_tokens))
+                    copied += self._mover.host_nbytes(n.num_tokens)
+                if not disk.put(pkey, parent, n.key, k, v, n.stats()):
+                    break  # skipped (writer behind, or too large): its descendants would be orphans
+                queued += 1
+        self.stats.disk_queued += queued
+        return queued
+
+    def _make_host_room(self, nbytes: int) -> bool:
+        """Evict host copies until ``nbytes`` more fit the host budget; False (nothing evicted) if
+        locked data makes that impossible."""
+        if self.host_budget_bytes == 0 or nbytes > self.host_budget_bytes:
+            return False
+        short = nbytes - (self.host_budget_bytes - self._host_used)
+        if short > 0:
+            locked = sum(self._mover.host_nbytes(m.num_tokens) for m in self._locked if m.in_host)
+            if short > self._host_used - locked:
+                return False
+            self._evict_host(nbytes)
+        return True
 
     # ----------------------------------------------------------------- lower-level calls
     def match(self, keys: Sequence[SegmentKey], *, approximate: bool = False) -> MatchResult:
@@ -847,15 +1000,9 @@ class TieredCache:
 
     def _swap_out(self, n: Node) -> bool:
         """Copy ``n``'s KV to host, making room there; False if the host cannot take it."""
-        if self.host_budget_bytes == 0:
-            return False
         nbytes = self._mover.host_nbytes(n.num_tokens)
-        short = nbytes - (self.host_budget_bytes - self._host_used)
-        if short > 0:
-            locked = sum(self._mover.host_nbytes(m.num_tokens) for m in self._locked if m.in_host)
-            if short > self._host_used - locked:
-                return False
-            self._evict_host(nbytes)
+        if not self._make_host_room(nbytes):
+            return False
         t0 = time.perf_counter()
         try:
             n.host_kv = self._mover.swap_out(n.device_blocks or (), n.num_tokens)

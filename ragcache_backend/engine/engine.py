@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import hashlib
 import itertools
 import logging
@@ -49,6 +50,7 @@ from pathlib import Path
 import torch
 
 from ragcache_backend.cache.chunk_reuse import RecomputeRule
+from ragcache_backend.cache.disk import DiskStore
 from ragcache_backend.cache.lease import ChunkLease, SegmentSpec
 from ragcache_backend.cache.profile import DEFAULT_ALPHAS, DEFAULT_BETAS, PrefillProfile, measure_profile
 from ragcache_backend.cache.tiers import TieredCache
@@ -98,6 +100,8 @@ class EngineStats:
         forward_s: seconds inside ``runner.forward``.
         sched_s: seconds of scheduling (estimates, planning, admission, commit), KV copies excluded.
         finished, failed, cancelled: requests by outcome.
+        retried: requests that failed before their first token and ran again by recomputation
+            (RAGCache §6 fault tolerance).
     """
 
     steps: int = 0
@@ -106,6 +110,7 @@ class EngineStats:
     finished: int = 0
     failed: int = 0
     cancelled: int = 0
+    retried: int = 0
 
 
 def _stop_token_ids(loaded: LoadedModel) -> frozenset[int]:
@@ -192,6 +197,10 @@ class RAGCacheEngine:
             policy=cfg.policy if profile is not None or cfg.policy != "pgdsf" else "gdsf",
             profile=profile,
         )
+        if cfg.disk_dir is not None and cfg.enable_cache and cfg.disk_budget_bytes > 0:
+            self.cache.attach_disk(DiskStore(
+                cfg.disk_dir, self.loaded.fingerprint, self.runner.kv_layout, self.loaded.dtype, cfg.disk_budget_bytes,
+                policy=self.cache.policy_name))
         self.cache.configure_variants(fingerprint=f"{self.loaded.fingerprint}/{self.loaded.dtype}",
                                       per_chunk=cfg.chunk_variants_per_chunk, total=cfg.chunk_max_variants)
         self.runner.sample_stat_layers(cfg.chunk_stat_layers)
@@ -303,6 +312,7 @@ class RAGCacheEngine:
         reuse: ReuseMode | None = None,
         recompute: RecomputeRule | None = None,
         store: bool = True,
+        cache_salt: str | None = None,
     ) -> RequestHandle:
         """Queue an already segmented prompt on the step loop and return its handle at once.
 
@@ -321,6 +331,9 @@ class RAGCacheEngine:
             recompute: override the chunk modes' recompute rule (``config.recompute_rule()``).
             store: False keeps nothing this request computes in the cache (chunk modes only: an
                 evaluation runs several rules over the same cache state).
+            cache_salt: a tenant's salt (at most 256 characters): every segment key is salted, so
+                KV computed under one salt is never served under another (any tier, chunk caches
+                included); None or "" = the shared, unsalted cache.
 
         Raises (at once, nothing queued):
             InvalidRequestError: no segments, or an unknown reuse mode. ContextWindowError.
@@ -329,6 +342,8 @@ class RAGCacheEngine:
         sampling = sampling or SamplingParams()
         if not segments:
             raise InvalidRequestError("a prompt needs at least one segment")
+        if cache_salt:
+            segments = [dataclasses.replace(s, salt=cache_salt) for s in segments]
         mode = self.config.reuse if reuse is None else reuse
         if mode not in ("exact", "chunk", "auto"):
             raise InvalidRequestError(f"reuse must be 'exact', 'chunk' or 'auto', got {reuse!r}")
@@ -367,7 +382,7 @@ class RAGCacheEngine:
     # ---- blocking and async clients of the loop ---------------------------------------------------
     def generate(self, question: str, documents: Sequence[DocumentLike] = (), sampling: SamplingParams | None = None,
                  *, use_cache: bool | None = None, on_text: Callable[[str], None] | None = None,
-                 reuse: ReuseMode | None = None) -> GenerationResult:
+                 reuse: ReuseMode | None = None, cache_salt: str | None = None) -> GenerationResult:
         """Answer ``question`` from ``documents`` (in retrieval order), reusing cached KV.
 
         Args:
@@ -377,12 +392,14 @@ class RAGCacheEngine:
             use_cache: override ``config.enable_cache`` for this request.
             on_text: called with each final text delta as it is generated (streaming).
             reuse: override ``config.reuse`` (``exact``, ``chunk``, ``auto``) for this request.
+            cache_salt: tenant salt (see :meth:`submit_segments`).
 
         Raises:
             EmptyQueryError, ContextWindowError, CacheBudgetError (the prompt can never fit the
             device arena), RequestCancelledError, InvalidRequestError (unknown reuse mode).
         """
-        return self.submit(question, documents, sampling, use_cache=use_cache, on_text=on_text, reuse=reuse).result()
+        return self.submit(question, documents, sampling, use_cache=use_cache, on_text=on_text, reuse=reuse,
+                           cache_salt=cache_salt).result()
 
     def generate_segments(self, segments: Sequence[Segment], sampling: SamplingParams | None = None, **kw) -> GenerationResult:
         """Blocking form of :meth:`submit_segments` (used by the adapters)."""
@@ -525,6 +542,8 @@ class RAGCacheEngine:
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
+        if thread is None or not thread.is_alive():
+            self.cache.close_disk()  # queued KV files are written before close returns
 
     def __enter__(self) -> RAGCacheEngine:
         return self
@@ -557,7 +576,11 @@ class RAGCacheEngine:
         try:
             if not self._live:
                 if (self._closing or not threading.main_thread().is_alive()) and self._inbox.empty():
-                    return False  # closed, or the program is exiting: end before Python finalizes
+                    # closed, or the program is exiting: leave the disk tier complete, end before Python finalizes
+                    with self._step_lock:
+                        self._persist()
+                        self.cache.close_disk()
+                    return False
                 if not self._take(block=True):
                     return True
             self.step()
@@ -649,7 +672,15 @@ class RAGCacheEngine:
                 if req.rid in self._live:
                     req.handle.metrics.batch_sizes.append(len(batch))
                     self._after_token(req, lg)
+            self._persist()
             return len(batch)
+
+    def _persist(self) -> None:
+        """Hand the nodes this step inserted to the disk tier (after the step's tokens went out)."""
+        try:
+            self.cache.persist_pending()
+        except Exception:  # the disk tier is a cache: losing a write never fails a request
+            log.exception("disk tier: queuing KV for writing failed; it stays in memory only")
 
     def _unblock(self) -> None:
         """Nothing runs and the first waiting request still got no room: only possible when the
@@ -827,6 +858,7 @@ class RAGCacheEngine:
             computed_tokens=req.computed,
             device_hits=lease.device_hits if lease else 0,
             host_hits=lease.host_hits if lease else 0,
+            disk_hits=lease.disk_hits if lease else 0,
             documents=tuple(s.doc_id for s in req.segments if s.doc_id is not None),
             dropped_documents=req.dropped,
             model=self.model_name,
@@ -842,7 +874,34 @@ class RAGCacheEngine:
         self._live.pop(req.rid, None)
         self.scheduler.remove(req.rid)
 
+    def _may_retry(self, req: Request, exc: BaseException) -> bool:
+        """RAGCache §6: a request that failed before its first token (a forward or KV-copy error,
+        not bad input) runs once more, computing its whole prompt without the cache."""
+        deterministic = (InvalidRequestError, CacheBudgetError, RequestCancelledError, EngineClosedError)
+        return (not req.retried and not self._closing and req.handle.metrics.first_token == 0.0
+                and not req.generated and isinstance(exc, Exception) and not isinstance(exc, deterministic)
+                and not req.cancel.is_set())
+
+    def _retry(self, req: Request, exc: BaseException) -> None:
+        log.warning("request %d failed before its first token (%r): retrying it by recomputation", req.rid, exc)
+        try:
+            if req.lease is not None:
+                self.cache.finish(req.lease)
+        finally:
+            req.lease, req.layout = None, None
+        req.retried = True
+        req.plan = self.plan(req.segments, use_cache=False)
+        req.reuse = "exact"
+        req.computed = req.recomputed = req.chunk_cached = req.guarded = 0
+        req.deviation = 0.0
+        self.stats.retried += 1
+        self.scheduler.remove(req.rid)
+        self.scheduler.add(req.rid, 0, req.prompt_tokens)
+
     def _fail(self, req: Request, exc: BaseException) -> None:
+        if req.rid in self._live and self._may_retry(req, exc):
+            self._retry(req, exc)
+            return
         try:
             if req.lease is not None:
                 self.cache.finish(req.lease)

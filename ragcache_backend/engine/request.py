@@ -47,6 +47,7 @@ class GenerationResult:
         computed_tokens: prompt tokens run through the model by this request (``prompt - cached``;
             includes ``recomputed_tokens``).
         device_hits, host_hits: reused tree nodes (and chunk variants) found in each tier.
+        disk_hits: reused tree nodes read back from the disk tier (not counted in ``host_hits``).
         documents: ids of the documents in the prompt, in prompt order.
         dropped_documents: ids of retrieved documents left out to fit the context window.
         model: model name.
@@ -79,6 +80,7 @@ class GenerationResult:
     chunk_hits: int = 0
     guarded_chunks: int = 0
     chunk_deviation: float = 0.0
+    disk_hits: int = 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -181,6 +183,7 @@ class Request:
         guarded: reused chunks the quality guard recomputed in full.
         deviation: the guard's signal (see ``GenerationResult.chunk_deviation``).
         layout: a chunk-mode prefill's :class:`~ragcache_backend.engine.chunk_step.ChunkLayout`.
+        retried: the request failed before its first token and runs again by recomputation.
     """
 
     rid: int
@@ -206,6 +209,7 @@ class Request:
     guarded: int = 0
     deviation: float = 0.0
     layout: object | None = None
+    retried: bool = False
 
     @property
     def prompt_tokens(self) -> int:

@@ -610,6 +610,29 @@ class ModelRunner:
         self.k_cache.index_copy_(1, slots, host_kv.k.to(self.device, non_blocking=True))
         self.v_cache.index_copy_(1, slots, host_kv.v.to(self.device, non_blocking=True))
 
+    @property
+    def kv_layout(self) -> tuple[int, int, int]:
+        """``(layers, kv_heads, head_dim)``: the shape of one token's K (or V) across layers."""
+        return self.num_layers, self.num_kv_heads, self.head_dim
+
+    def host_tensors(self, host_kv: HostKV) -> tuple[torch.Tensor, torch.Tensor]:
+        """The CPU tensors ``(k, v)`` of a host copy, ``[layers, tokens, kv_heads, head_dim]``
+        (shared, not copied: the disk tier writes them)."""
+        return host_kv.k, host_kv.v
+
+    def host_from_tensors(self, k: torch.Tensor, v: torch.Tensor) -> HostKV:
+        """A host copy made of CPU tensors read back from the disk tier.
+
+        Raises:
+            InvalidRequestError: shape or dtype not this model's KV.
+        """
+        want = (self.num_layers, k.shape[1] if k.dim() == 4 else -1, self.num_kv_heads, self.head_dim)
+        if tuple(k.shape) != want or tuple(v.shape) != want or k.dtype != self.dtype or v.dtype != self.dtype:
+            raise InvalidRequestError(f"KV of shape {tuple(k.shape)} {k.dtype} is not this model's {want} {self.dtype}")
+        if self.device.type == "cuda":
+            k, v = k.pin_memory(), v.pin_memory()
+        return HostKV(k=k, v=v)
+
     def free_host(self, host_kv: HostKV) -> None:
         """Drop a host copy (memory is returned when the last reference goes)."""
         host_kv.k = host_kv.v = torch.empty(0)

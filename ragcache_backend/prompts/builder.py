@@ -44,9 +44,19 @@ class SegmentKind(str, enum.Enum):
     TAIL = "tail"
 
 
-def segment_key(token_ids: Sequence[int]) -> SegmentKey:
-    """Content hash of a segment's token ids (32 hex chars): the knowledge-tree child key."""
+#: Longest accepted ``cache_salt`` (characters).
+MAX_SALT_CHARS = 256
+
+
+def segment_key(token_ids: Sequence[int], salt: str = "") -> SegmentKey:
+    """Content hash of a segment's token ids (32 hex chars): the knowledge-tree child key.
+
+    ``salt`` (a tenant's ``cache_salt``) enters the hash when non-empty: the same tokens under two
+    salts get two keys, so KV computed under one salt is never served under another, in any tier
+    and in the chunk caches (every key of the request is salted, not only the first)."""
     digest = hashlib.sha256(b"ragcache-seg-v1")
+    if salt:
+        digest.update(b"\x00salt\x00" + salt.encode("utf-8", "surrogatepass") + b"\x00")
     digest.update(",".join(map(str, token_ids)).encode())
     return SegmentKey(digest.hexdigest()[:32])
 
@@ -61,19 +71,23 @@ class Segment:
         cacheable: True when its KV may be stored in (and served from) the knowledge tree. Only a
             leading run of cacheable segments is ever served from the tree.
         doc_id: the document's content-hash id, for document segments.
-        key: content hash of ``token_ids`` (computed).
+        salt: the tenant's ``cache_salt`` ("" = none); part of ``key``.
+        key: content hash of ``token_ids`` and ``salt`` (computed).
     """
 
     token_ids: tuple[int, ...]
     kind: SegmentKind
     cacheable: bool
     doc_id: str | None = None
+    salt: str = ""
     key: SegmentKey = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             raise InvalidRequestError(f"empty {self.kind.value} segment")
-        object.__setattr__(self, "key", segment_key(self.token_ids))
+        if not isinstance(self.salt, str) or len(self.salt) > MAX_SALT_CHARS:
+            raise InvalidRequestError(f"cache_salt must be a string of at most {MAX_SALT_CHARS} characters")
+        object.__setattr__(self, "key", segment_key(self.token_ids, self.salt))
 
     def __len__(self) -> int:
         return len(self.token_ids)

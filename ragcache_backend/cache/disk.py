@@ -1,0 +1,519 @@
+"""The disk tier: knowledge-tree nodes' KV as checksummed safetensors files that survive restarts.
+
+RAGCache keeps KV in GPU and host memory (§5.1, Fig. 8); a server restart loses it. This tier adds
+a third level below host memory: a folder of files, one per exact knowledge-tree node, written
+off the request's critical path and read back when a prefix match runs past what memory holds.
+
+* **Identity.** A node's KV depends on every token before it, so a file is named by its *path
+  key*: a hash chained over the segment keys from the root (:func:`path_key`). Segment keys
+  already carry a tenant's ``cache_salt`` (:func:`~ragcache_backend.prompts.builder.segment_key`),
+  so salts never share files. Files live in ``<root>/v<FORMAT>-<model fingerprint>/``: another
+  model, dtype or format version never even lists them; the fingerprint, format and KV shape are
+  also in each file's metadata and checked on load.
+* **Integrity.** Each file holds tensors ``k`` and ``v``, ``[layers, tokens, kv_heads, head_dim]``
+  in the model's dtype, and metadata (strings): format, fingerprint, path key, parent path key,
+  segment key, token count and the SHA-256 of the tensors' bytes. A file is written to a
+  temporary name, fsync'ed and renamed (atomic on POSIX): a kill -9 mid-write leaves at most a
+  ``.tmp`` file, removed at the next start. A truncated, corrupt or foreign file is detected on
+  load (or at the start-up scan), logged, deleted and reported as a miss: the caller recomputes
+  it, it is never served. Files are never unpickled (safetensors only).
+* **Budget and policy.** The folder holds at most ``budget_bytes``; over it, the entry with the
+  lowest priority under the cache's policy (PGDSF by default, eq. 1/3, with its own clock, eq. 2)
+  *among entries no other entry hangs from* is deleted, as the memory tiers evict leaves first
+  (a child is unreachable without its parent's KV). Statistics (frequency, mean cost per
+  token) are stored with the file so that priorities survive a restart.
+* **Writes off the critical path.** :meth:`DiskStore.put` queues tensors already copied to host
+  memory; one writer thread serialises, checksums and writes them. If the queue holds more than
+  ``max_pending_bytes`` a put is skipped (counted), never blocking a request. A failed write (full
+  disk, permissions) is logged and counted; the server goes on without that file.
+
+Thread-safety: the index is guarded by a lock; the engine thread calls ``lookup``/``load``/
+``touch``/``put``, the writer thread adds and evicts entries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import re
+import struct
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from ragcache_backend.cache.policy import NodeStats, get_policy
+from ragcache_backend.errors import InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["FORMAT", "DiskEntry", "DiskStats", "DiskStore", "path_key"]
+
+#: File format version: part of the folder name and of each file's metadata.
+FORMAT = 1
+_SUFFIX = ".kv.safetensors"
+_HEADER_CAP = 1 << 20  # a safetensors header of two tensors is < 1 KiB; more is a foreign file
+_NAME = re.compile(r"^[0-9a-f]{32}$")
+MiB = 1 << 20
+
+
+def path_key(parent: str, key: str) -> str:
+    """The path key of a node: a hash chained over its path's segment keys (32 hex chars).
+
+    Args:
+        parent: the parent's path key ("" for a child of the root).
+        key: the node's segment key.
+    """
+    digest = hashlib.sha256(b"ragcache-path-v1\x00")
+    digest.update(parent.encode())
+    digest.update(b"/")
+    digest.update(key.encode())
+    return digest.hexdigest()[:32]
+
+
+def _kv_digest(k: torch.Tensor, v: torch.Tensor) -> str:
+    digest = hashlib.sha256()
+    for t in (k, v):
+        digest.update(memoryview(t.contiguous().view(torch.uint8).numpy()))
+    return digest.hexdigest()
+
+
+@dataclass(slots=True)
+class DiskEntry:
+    """One file of the disk tier (index record).
+
+    Attributes:
+        path_key: the node's path key (also the file's name).
+        parent: the parent's path key ("" for a child of the root).
+        key: the node's segment key.
+        num_tokens: tokens of KV in the file.
+        nbytes: the file's size, bytes.
+        frequency, avg_cost: the node's statistics when written, updated on disk hits (PGDSF input:
+            requests, seconds per token).
+        last_access: the tier's access counter at the last write or hit.
+        priority: eviction priority under the policy (lowest goes first).
+        children: entries whose parent this is (an entry with children is never evicted).
+    """
+
+    path_key: str
+    parent: str
+    key: str
+    num_tokens: int
+    nbytes: int
+    frequency: int = 1
+    avg_cost: float = 0.0
+    last_access: int = 0
+    priority: float = 0.0
+    children: int = 0
+
+
+@dataclass(slots=True)
+class DiskStats:
+    """Counters since the store was opened.
+
+    Attributes:
+        writes: files written. write_failures: writes that failed (full disk, I/O error).
+        skipped: puts not queued (writer behind by more than ``max_pending_bytes``, or a node
+            larger than the budget). corrupt: files found truncated, corrupt or foreign, and
+            deleted. evictions: files deleted to stay in budget. loaded: files read back.
+        write_s, read_s: seconds spent writing (writer thread) and reading + verifying files.
+    """
+
+    writes: int = 0
+    write_failures: int = 0
+    skipped: int = 0
+    corrupt: int = 0
+    evictions: int = 0
+    loaded: int = 0
+    write_s: float = 0.0
+    read_s: float = 0.0
+
+
+@dataclass(slots=True)
+class _Job:
+    entry: DiskEntry
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+class DiskStore:
+    """A folder of KV files for one model (see the module docstring).
+
+    Args:
+        root: the cache folder (created if missing); files go to ``root/v<FORMAT>-<fingerprint>``.
+        fingerprint: the model's identity (weights, dtype, tokenizer files), as
+            :attr:`~ragcache_backend.model.loader.LoadedModel.fingerprint`.
+        layout: ``(layers, kv_heads, head_dim)`` of the KV tensors; a file of another shape is foreign.
+        dtype: the KV dtype; a file of another dtype is foreign.
+        budget_bytes: the folder's byte budget (> 0).
+        policy: replacement policy name (``pgdsf``, ``gdsf``, ``lru``, ``lfu``).
+        max_pending_bytes: bytes of queued writes above which new puts are skipped.
+
+    Raises:
+        InvalidRequestError: a budget below 1 byte, or ``root`` exists and is not a folder.
+        OSError: the folder cannot be created.
+    """
+
+    def __init__(self, root: Path | str, fingerprint: str, layout: tuple[int, int, int], dtype: torch.dtype,
+                 budget_bytes: int, *, policy: str = "pgdsf", max_pending_bytes: int = 256 * MiB) -> None:
+        if budget_bytes < 1:
+            raise InvalidRequestError(f"the disk tier needs a budget of at least 1 byte, got {budget_bytes}")
+        root = Path(root).expanduser()
+        if root.exists() and not root.is_dir():
+            raise InvalidRequestError(f"disk cache path {root} exists and is not a folder")
+        safe = re.sub(r"[^0-9A-Za-z._-]", "_", fingerprint)[:80]
+        self.directory = root / f"v{FORMAT}-{safe}"
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.fingerprint = fingerprint
+        self.layout = tuple(int(x) for x in layout)
+        self.dtype = dtype
+        self.budget_bytes = budget_bytes
+        self.max_pending_bytes = max_pending_bytes
+        self.stats = DiskStats()
+        self._policy = get_policy(policy)
+        self._clock = 0.0
+        self._access = 0
+        self._lock = threading.Lock()
+        self._entries: dict[str, DiskEntry] = {}
+        self._used = 0
+        self._pending: dict[str, int] = {}  # path key -> bytes queued for writing
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._closed = False
+        self._scan()
+        self._writer = threading.Thread(target=self._write_loop, name="ragcache-disk-writer", daemon=True)
+        self._writer.start()
+
+    # ---- views ---------------------------------------------------------------------------------
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the files in the index."""
+        return self._used
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[DiskEntry]:
+        with self._lock:
+            return iter(list(self._entries.values()))
+
+    def contains(self, pkey: str) -> bool:
+        """True if a file for ``pkey`` is on disk or queued."""
+        with self._lock:
+            return pkey in self._entries or pkey in self._pending
+
+    def lookup(self, pkey: str) -> DiskEntry | None:
+        """The entry of path key ``pkey``, or None."""
+        with self._lock:
+            return self._entries.get(pkey)
+
+    # ---- reads ---------------------------------------------------------------------------------
+    def load(self, entry: DiskEntry) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Read and verify ``entry``'s file and return its ``(k, v)`` (CPU tensors,
+        ``[layers, tokens, kv_heads, head_dim]``), counting a hit (frequency + 1).
+
+        Returns None when the file is gone (evicted meanwhile) or fails verification (truncated,
+        corrupt, foreign): then it is deleted, logged and counted, and the caller recomputes.
+        """
+        import time
+
+        t0 = time.perf_counter()
+        path = self._file(entry.path_key)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            self._forget(entry.path_key, delete=False)
+            return None
+        except OSError as exc:
+            log.warning("disk tier: cannot read %s (%s); recomputing", path.name, exc)
+            return None
+        problem, kv = self._verify(data, entry.path_key)
+        self.stats.read_s += time.perf_counter() - t0
+        if kv is None:
+            self._drop_corrupt(path, problem)
+            return None
+        self.stats.loaded += 1
+        self.touch(entry)
+        return kv
+
+    def touch(self, entry: DiskEntry) -> None:
+        """Count a reference to ``entry`` (frequency + 1) and refresh its priority."""
+        with self._lock:
+            if self._entries.get(entry.path_key) is entry:
+                entry.frequency += 1
+                self._access += 1
+                entry.last_access = self._access
+                entry.priority = self._priority(entry)
+
+    def _verify(self, data: bytes, pkey: str) -> tuple[str, tuple[torch.Tensor, torch.Tensor] | None]:
+        """``("", (k, v))`` for a good file, else ``(what is wrong, None)``."""
+        meta = _header_metadata(data)
+        if meta is None:
+            return "not a safetensors file (truncated header)", None
+        why = self._foreign(meta, pkey)
+        if why:
+            return why, None
+        try:
+            tensors = st_load(data)
+        except Exception as exc:  # safetensors raises its own error type for a truncated body
+            return f"unreadable tensors ({type(exc).__name__})", None
+        k, v = tensors.get("k"), tensors.get("v")
+        n = int(meta["num_tokens"])
+        shape = (self.layout[0], n, self.layout[1], self.layout[2])
+        if k is None or v is None or tuple(k.shape) != shape or tuple(v.shape) != shape:
+            return "tensors of the wrong shape", None
+        if k.dtype != self.dtype or v.dtype != self.dtype:
+            return f"tensors of dtype {k.dtype}, expected {self.dtype}", None
+        if _kv_digest(k, v) != meta["sha256"]:
+            return "checksum mismatch", None
+        return "", (k, v)
+
+    def _foreign(self, meta: dict[str, str], pkey: str | None) -> str:
+        """Why a file's metadata does not belong to this store ("" if it does)."""
+        if meta.get("format") != str(FORMAT):
+            return f"format {meta.get('format')!r}, expected {FORMAT}"
+        if meta.get("fingerprint") != self.fingerprint:
+            return "written for another model or dtype"
+        if pkey is not None and meta.get("path_key") != pkey:
+            return "its path key does not match its name"
+        for field in ("parent", "key", "num_tokens", "sha256"):
+            if field not in meta:
+                return f"metadata lacks {field!r}"
+        if not meta["num_tokens"].isdigit() or int(meta["num_tokens"]) < 1:
+            return "bad token count"
+        return ""
+
+    # ---- writes --------------------------------------------------------------------------------
+    def put(self, pkey: str, parent: str, key: str, k: torch.Tensor, v: torch.Tensor, stats: NodeStats) -> bool:
+        """Queue a node's KV for writing; returns False (nothing queued) when it is already on disk
+        or queued, larger than the budget, or the writer is behind by ``max_pending_bytes``.
+
+        Args:
+            pkey, parent, key: the node's path key, its parent's path key, its segment key.
+            k, v: CPU tensors ``[layers, tokens, kv_heads, head_dim]`` in the store's dtype; the
+                caller must not modify them afterwards (they are written from another thread).
+            stats: the node's statistics (frequency, seconds per token) for the policy.
+
+        Raises:
+            InvalidRequestError: tensors of the wrong shape or dtype.
+        """
+        n = int(k.shape[1]) if k.dim() == 4 else -1
+        shape = (self.layout[0], n, self.layout[1], self.layout[2])
+        if tuple(k.shape) != shape or tuple(v.shape) != shape or k.dtype != self.dtype or v.dtype != self.dtype:
+            raise InvalidRequestError(f"KV of shape {tuple(k.shape)} {k.dtype} does not fit the disk tier's "
+                                      f"{shape} {self.dtype}")
+        nbytes = k.nbytes + v.nbytes + 1024
+        with self._lock:
+            if self._closed or pkey in self._entries or pkey in self._pending:
+                return False
+            if nbytes > self.budget_bytes or sum(self._pending.values()) + nbytes > self.max_pending_bytes:
+                self.stats.skipped += 1
+                return False
+            self._pending[pkey] = nbytes
+        entry = DiskEntry(pkey, parent, key, n, nbytes, max(1, stats.frequency), stats.avg_cost)
+        self._queue.put(_Job(entry, k.detach().cpu(), v.detach().cpu()))
+        return True
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued write is done; False if ``timeout`` seconds passed first."""
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if not self._pending:
+                    return True
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Finish queued writes (up to ``timeout`` seconds) and stop the writer; idempotent."""
+        if self._closed:
+            return
+        self.flush(timeout)
+        self._closed = True
+        self._queue.put(None)
+        self._writer.join(timeout)
+
+    def _write_loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                self._write(job)
+            except Exception:  # a bug must not kill the writer: log it, drop the job
+                log.exception("disk tier: writing %s failed", job.entry.path_key)
+                with self._lock:
+                    self._pending.pop(job.entry.path_key, None)
+
+    def _write(self, job: _Job) -> None:
+        import time
+
+        t0 = time.perf_counter()
+        e = job.entry
+        meta = {"format": str(FORMAT), "fingerprint": self.fingerprint, "path_key": e.path_key, "parent": e.parent,
+                "key": e.key, "num_tokens": str(e.num_tokens), "sha256": _kv_digest(job.k, job.v),
+                "frequency": str(e.frequency), "avg_cost": repr(float(e.avg_cost))}
+        final = self._file(e.path_key)
+        tmp = final.with_name(f".{e.path_key}.{os.getpid()}.tmp")
+        try:
+            data = st_save({"k": job.k.contiguous(), "v": job.v.contiguous()}, metadata=meta)
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, final)
+        except OSError as exc:
+            self.stats.write_failures += 1
+            log.warning("disk tier: could not write %s (%s); it stays in memory only", final.name, exc)
+            tmp.unlink(missing_ok=True)
+            with self._lock:
+                self._pending.pop(e.path_key, None)
+            return
+        e.nbytes = len(data)
+        self.stats.writes += 1
+        self.stats.write_s += time.perf_counter() - t0
+        with self._lock:
+            self._pending.pop(e.path_key, None)
+            self._add(e)
+            self._evict_over_budget()
+
+    # ---- index ---------------------------------------------------------------------------------
+    def _file(self, pkey: str) -> Path:
+        return self.directory / f"{pkey}{_SUFFIX}"
+
+    def _priority(self, e: DiskEntry) -> float:
+        return self._policy(NodeStats(e.frequency, e.avg_cost, e.num_tokens, e.last_access), self._clock)
+
+    def _add(self, e: DiskEntry) -> None:
+        """Put ``e`` in the index (lock held)."""
+        old = self._entries.get(e.path_key)
+        if old is not None:
+            self._used -= old.nbytes
+            e.children = old.children
+        elif e.parent in self._entries:
+            self._entries[e.parent].children += 1
+        self._access += 1
+        e.last_access = self._access
+        e.priority = self._priority(e)
+        self._entries[e.path_key] = e
+        self._used += e.nbytes
+
+    def _forget(self, pkey: str, *, delete: bool) -> None:
+        with self._lock:
+            e = self._entries.pop(pkey, None)
+            if e is None:
+                return
+            self._used -= e.nbytes
+            parent = self._entries.get(e.parent)
+            if parent is not None:
+                parent.children -= 1
+        if delete:
+            self._file(pkey).unlink(missing_ok=True)
+
+    def _drop_corrupt(self, path: Path, why: str) -> None:
+        self.stats.corrupt += 1
+        log.warning("disk tier: %s is unusable (%s): deleted; its KV will be recomputed", path.name, why)
+        self._forget(path.name[: -len(_SUFFIX)], delete=False)
+        path.unlink(missing_ok=True)
+
+    def _evict_over_budget(self) -> None:
+        """Delete the lowest-priority childless entries until within budget (lock held)."""
+        while self._used > self.budget_bytes:
+            leaves = [e for e in self._entries.values() if e.children == 0]
+            if not leaves:
+                return
+            victim = min(leaves, key=lambda e: (e.priority, e.last_access))
+            self._clock = max(self._clock, victim.priority)  # eq. 2
+            del self._entries[victim.path_key]
+            self._used -= victim.nbytes
+            parent = self._entries.get(victim.parent)
+            if parent is not None:
+                parent.children -= 1
+            self._file(victim.path_key).unlink(missing_ok=True)
+            self.stats.evictions += 1
+
+    def _scan(self) -> None:
+        """Rebuild the index from the folder's file headers (bodies are verified on load):
+        leftover ``.tmp`` files are deleted, files with a bad header, foreign metadata or no parent
+        on disk are deleted, then the budget is enforced."""
+        found: dict[str, DiskEntry] = {}
+        for path in self.directory.iterdir():
+            name = path.name
+            if name.endswith(".tmp"):
+                path.unlink(missing_ok=True)  # a write killed before its rename
+                continue
+            if not name.endswith(_SUFFIX) or not _NAME.match(name[: -len(_SUFFIX)]):
+                continue
+            try:
+                with open(path, "rb") as fh:
+                    head = fh.read(8)
+                    size = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+                    body = fh.read(size) if 0 < size <= _HEADER_CAP else b""
+                meta = _header_metadata(head + body)
+                nbytes = path.stat().st_size
+            except OSError as exc:
+                log.warning("disk tier: cannot read %s (%s); skipped", name, exc)
+                continue
+            pkey = name[: -len(_SUFFIX)]
+            why = "not a safetensors file" if meta is None else self._foreign(meta, pkey)
+            if why:
+                self._drop_corrupt(path, why)
+                continue
+            try:
+                avg_cost = float(meta.get("avg_cost", "0"))
+                frequency = int(meta.get("frequency", "1"))
+            except ValueError:
+                avg_cost, frequency = 0.0, 1
+            found[pkey] = DiskEntry(pkey, meta["parent"], meta["key"], int(meta["num_tokens"]), nbytes,
+                                    max(1, frequency), avg_cost)
+        reachable: dict[str, DiskEntry] = {}
+        visiting: set[str] = set()
+
+        def reach(pkey: str) -> bool:
+            if pkey == "" or pkey in reachable:
+                return True
+            e = found.get(pkey)
+            if e is None or pkey in visiting:
+                return False
+            visiting.add(pkey)
+            if reach(e.parent):
+                reachable[pkey] = e
+                return True
+            return False
+
+        for pkey in list(found):
+            if not reach(pkey):
+                log.info("disk tier: %s has no parent on disk: deleted", pkey)
+                self._file(pkey).unlink(missing_ok=True)
+        with self._lock:
+            for e in reachable.values():  # parents were added to ``reachable`` before their children
+                self._add(e)
+            self._evict_over_budget()
+        if self._entries:
+            log.info("disk tier: %d files, %.1f MiB in %s", len(self._entries), self._used / MiB, self.directory)
+
+
+def _header_metadata(data: bytes) -> dict[str, str] | None:
+    """The ``__metadata__`` of a safetensors file's bytes (its first 8 + header bytes), or None."""
+    if len(data) < 8:
+        return None
+    size = struct.unpack("<Q", data[:8])[0]
+    if size < 2 or size > _HEADER_CAP or len(data) < 8 + size:
+        return None
+    try:
+        header = json.loads(data[8: 8 + size])
+    except ValueError:
+        return None
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        return None
+    return meta
