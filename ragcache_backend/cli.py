@@ -1,4 +1,4 @@
-"""The ``ragcache`` command line: ``index``, ``ask``, ``demo`` (and ``bench``).
+"""The ``ragcache`` command line: ``index``, ``ask``, ``demo``, ``serve`` (and ``bench``); ``--version``.
 
 Every error a user can cause is a :class:`~ragcache_backend.errors.RAGCacheError`; the CLI prints
 its message on one line and exits with status 2 (1 for unexpected failures), never a traceback.
@@ -190,15 +190,19 @@ def _quiet_loaders() -> None:
     hf_logging.set_verbosity_error()
 
 
-def engine_config(model: Optional[str], dtype: str, threads: int, policy: str = "pgdsf", reuse: str = "exact"):
-    """The engine configuration, built (and so validated) before the index or the model is loaded."""
+def engine_config(model: Optional[str], dtype: str, threads: int, policy: str = "pgdsf", reuse: str = "exact", *,
+                  disk_dir: Optional[Path] = None, disk_budget_mib: int = 4096):
+    """The engine configuration, built (and so validated) before the index or the model is loaded.
+
+    ``disk_dir`` None disables the disk tier; ``disk_budget_mib`` is its budget in MiB."""
     from pydantic import ValidationError
 
-    from ragcache_backend.config import EngineConfig
+    from ragcache_backend.config import MiB, EngineConfig
     from ragcache_backend.errors import InvalidRequestError
 
     try:
-        return EngineConfig(model=model, dtype=dtype, threads=threads, policy=policy, reuse=reuse)
+        return EngineConfig(model=model, dtype=dtype, threads=threads, policy=policy, reuse=reuse,
+                            disk_dir=disk_dir, disk_budget_bytes=disk_budget_mib * MiB)
     except ValidationError as exc:  # the options are checked above; this is the safety net
         raise InvalidRequestError(f"invalid engine configuration: {_validation_message(exc)}") from None
 
@@ -229,6 +233,42 @@ REUSE = _choice_option("exact", "--reuse", NameChoice("reuse mode", REUSE_MODES)
                        help="exact: knowledge-tree prefixes only; auto/chunk: documents also from chunk caches at any "
                             "position (approximate, guarded)")
 CORPUS = typer.Option(None, "--corpus", help="folder of .rst/.txt/.md/.html (default: the Python 3.11 docs)")
+CACHE_DIR = typer.Option(None, "--cache-dir", callback=lambda v: _not_a_file(v) if v is not None else v,
+                         help="disk KV tier folder (default: $RAGCACHE_HOME/kv, i.e. ~/.cache/ragcache/kv)")
+NO_DISK_CACHE = typer.Option(False, "--no-disk-cache", help="no disk KV tier (nothing survives the process)")
+DISK_BUDGET = typer.Option(4096, "--disk-budget-mib", min=0, help="disk KV tier budget, MiB")
+
+
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"ragcache {package_version()}", highlight=False)
+        raise typer.Exit(0)
+
+
+def package_version() -> str:
+    """The installed distribution's version (``ragcache-kv``), else the source tree's."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ragcache-kv")
+    except PackageNotFoundError:
+        from ragcache_backend import __version__
+
+        return __version__
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="print the version and exit"),
+) -> None:
+    """ragcache: document-level KV caching for retrieval-augmented generation (RAGCache)."""
+
+
+def _disk_dir(cache_dir: Optional[Path], no_disk_cache: bool) -> Optional[Path]:
+    from ragcache_backend.config import default_disk_dir
+
+    return None if no_disk_cache else (cache_dir or default_disk_dir()).expanduser()
 
 
 @app.command()
@@ -257,36 +297,53 @@ def ask(
     model: Optional[str] = MODEL,
     dtype: str = DTYPE,
     threads: int = THREADS,
+    cache_dir: Optional[Path] = CACHE_DIR,
+    no_disk_cache: bool = NO_DISK_CACHE,
+    disk_budget_mib: int = DISK_BUDGET,
+    cache_salt: Optional[str] = typer.Option(None, "--cache-salt", help="tenant salt: KV cached under another salt is never reused"),
 ) -> None:
     """Answer one question from the top-k retrieved documents."""
     with _user_errors():
-        from ragcache_backend.errors import EmptyQueryError
+        from ragcache_backend.errors import EmptyQueryError, InvalidRequestError
         from ragcache_backend.model.sampling import SamplingParams
 
         if not question.strip():
             raise EmptyQueryError("the question is empty")
+        if cache_salt is not None and len(cache_salt) > 256:
+            raise InvalidRequestError("--cache-salt must be at most 256 characters")
         _precheck(corpus, model)
-        config = engine_config(model, dtype, threads, policy, reuse)
+        config = engine_config(model, dtype, threads, policy, reuse, disk_dir=_disk_dir(cache_dir, no_disk_cache),
+                               disk_budget_mib=disk_budget_mib)
         store = _store(corpus)
         engine = _engine(config, store)
         hits = store.search(question, k)
         sampling = SamplingParams(max_tokens=max_tokens)
-        if as_json:
-            result = engine.generate(question, [h.document for h in hits], sampling)
-            payload = {f: getattr(result, f) for f in result.__slots__}
-            payload["sources"] = [{"doc_id": h.document.doc_id, "title": h.document.title,
-                                   "source": h.document.source, "score": h.score} for h in hits]
-            out.print_json(json.dumps(payload))
-            return
-        for chunk in engine.stream(question, [h.document for h in hits], sampling):
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
-        result = chunk.result
-        sys.stdout.write("\n")
-        for h in hits:
-            err.print(f"  [dim]source:[/] {h.document.title} ({h.document.source})", highlight=False)
-        err.print(f"  [dim]TTFT {result.ttft_s * 1000:.0f} ms, {result.cached_tokens}/{result.prompt_tokens} "
-                  f"prompt tokens from the cache[/]")
+        try:
+            if as_json:
+                result = engine.generate(question, [h.document for h in hits], sampling, cache_salt=cache_salt)
+                payload = {f: getattr(result, f) for f in result.__slots__}
+                payload["sources"] = [{"doc_id": h.document.doc_id, "title": h.document.title,
+                                       "source": h.document.source, "score": h.score} for h in hits]
+                out.print_json(json.dumps(payload))
+                return
+            for chunk in engine.stream(question, [h.document for h in hits], sampling, cache_salt=cache_salt):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+            result = chunk.result
+            sys.stdout.write("\n")
+            for h in hits:
+                err.print(f"  [dim]source:[/] {h.document.title} ({h.document.source})", highlight=False)
+            err.print(f"  [dim]{cache_summary(result, config.disk_dir is not None)}[/]", highlight=False, soft_wrap=True)
+        finally:
+            engine.close()  # the disk tier's queued files are written before the process ends
+
+
+def cache_summary(result, disk_tier: bool) -> str:
+    """One line: TTFT, prompt tokens, cached tokens, and the tiers the reused nodes came from."""
+    tiers = f"device {result.device_hits}, host {result.host_hits}"
+    tiers += f", disk {result.disk_hits}" if disk_tier else " (no disk tier)"
+    return (f"TTFT {result.ttft_s * 1000:.0f} ms; cache: {result.cached_tokens}/{result.prompt_tokens} prompt tokens "
+            f"from the cache; hits by tier: {tiers}")
 
 
 @app.command()
@@ -333,6 +390,76 @@ def demo(
         if json_file is not None:
             write_report(report, json_file)
             out.print(f"wrote {json_file}")
+
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+@app.command()
+def serve(
+    config_file: Optional[Path] = typer.Option(None, "--config", exists=True, dir_okay=False,
+                                               help="TOML or JSON file of settings (flags > RAGCACHE_* env > file)"),
+    host: Optional[str] = typer.Option(None, "--host", help="interface to listen on (default 127.0.0.1)"),
+    port: Optional[int] = typer.Option(None, "--port", min=1, max=65535, help="TCP port (default 8000)"),
+    model: Optional[str] = typer.Option(None, "--model", callback=_existing_model,
+                                        help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", parser=NameChoice("dtype", DTYPES, DTYPE_ALIASES),
+                                        metavar="[float32|bfloat16|float16]", help="weights and KV dtype (default float32)"),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch threads"),
+    policy: Optional[str] = typer.Option(None, "--policy", parser=NameChoice("policy", POLICIES),
+                                         metavar="[pgdsf|gdsf|lru|lfu]", help="cache replacement policy (default pgdsf)"),
+    reuse: Optional[str] = typer.Option(None, "--reuse", parser=NameChoice("reuse mode", REUSE_MODES),
+                                        metavar="[exact|chunk|auto]", help="default reuse mode of a request (default exact)"),
+    device_mib: Optional[int] = typer.Option(None, "--device-mib", min=1, help="device tier budget, MiB (default 512)"),
+    host_mib: Optional[int] = typer.Option(None, "--host-mib", min=0, help="host tier budget, MiB (default 2048; 0: off)"),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", callback=lambda v: _not_a_file(v) if v is not None else v,
+                                             help="disk KV tier folder (default: $RAGCACHE_HOME/kv)"),
+    disk_cache: Optional[bool] = typer.Option(None, "--disk-cache/--no-disk-cache", help="disk KV tier on or off (default on)"),
+    disk_budget_mib: Optional[int] = typer.Option(None, "--disk-budget-mib", min=0, help="disk tier budget, MiB (default 4096)"),
+    max_batch_size: Optional[int] = typer.Option(None, "--max-batch-size", min=1, help="sequences per forward step (default 8)"),
+    max_queue: Optional[int] = typer.Option(None, "--max-queue", min=0,
+                                            help="requests that may wait beyond a full batch; more get 503 (default 64)"),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
+                                                    help="the model name clients use (default: the engine's)"),
+    default_max_tokens: Optional[int] = typer.Option(None, "--default-max-tokens", min=1,
+                                                     help="max_tokens of a request that sets none (default 256)"),
+    drain_timeout: Optional[float] = typer.Option(None, "--drain-timeout", min=0.0,
+                                                  help="seconds in-flight requests get to finish on shutdown (default 30)"),
+    log_level: Optional[str] = typer.Option(None, "--log-level", parser=NameChoice("log level", LOG_LEVELS),
+                                            metavar="[" + "|".join(LOG_LEVELS) + "]", help="log level (default info)"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="require 'Authorization: Bearer KEY' on /v1 (or RAGCACHE_API_KEY)"),
+) -> None:
+    """Serve an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)."""
+    with _user_errors():
+        from ragcache_backend.errors import InvalidRequestError
+
+        try:
+            from ragcache_backend.server.app import bind_socket
+            from ragcache_backend.server.app import serve as run_server
+            from ragcache_backend.server.settings import load_settings
+        except ImportError as exc:
+            raise InvalidRequestError(f"ragcache serve needs the serve extra (pip install 'ragcache-kv[serve]'): {exc}") from None
+        settings = load_settings(
+            config_file, host=host, port=port, model=model, dtype=dtype, threads=threads, policy=policy, reuse=reuse,
+            device_mib=device_mib, host_mib=host_mib, cache_dir=cache_dir, disk_cache=disk_cache,
+            disk_budget_mib=disk_budget_mib, max_batch_size=max_batch_size, max_queue=max_queue,
+            served_model_name=served_model_name, default_max_tokens=default_max_tokens, drain_timeout=drain_timeout,
+            log_level=log_level, api_key=api_key,
+        )
+        _precheck(None, settings.model)
+        config = settings.engine_config()
+        try:
+            sock = bind_socket(settings.host, settings.port)
+        except OSError as exc:
+            raise InvalidRequestError(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}") from None
+        level = "DEBUG" if settings.log_level == "trace" else settings.log_level.upper()
+        logging.getLogger("ragcache_backend").setLevel(level)
+        try:
+            engine = _engine(config)
+        except BaseException:
+            sock.close()
+            raise
+        run_server(engine, settings, sock)
 
 
 #: Bounds of ``ragcache bench``'s numeric options (0 means "the mode's default" where allowed).

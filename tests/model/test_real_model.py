@@ -137,3 +137,25 @@ def test_cli_demo_json(tmp_path, faq_dir):
     assert "mean TTFT with cache" in proc.stdout
     # the profile was measured once and saved under RAGCACHE_HOME
     assert list((tmp_path / "profiles").glob("*.json"))
+
+
+@pytest.mark.slow
+def test_cli_ask_twice_reuses_the_first_runs_kv_from_disk(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "tuples.md").write_text(
+        "# Tuples\n\n" + "A tuple is an immutable sequence, so it can be a dictionary key when its items are hashable. " * 4
+        + "\n\n# Lists\n\n" + "A list is a mutable sequence that grows with append and shrinks with pop. " * 4 + "\n")
+    (corpus / "gil.md").write_text(
+        "# The GIL\n\n" + "The global interpreter lock lets one thread run Python bytecode at a time in CPython. " * 4 + "\n")
+    args = ("ask", "Can a tuple be a dictionary key?", "--corpus", str(corpus), "--k", "2", "--max-tokens", "8",
+            "--json", "--cache-dir", str(tmp_path / "kv"), "--policy", "gdsf")  # gdsf: no profile to measure
+    runs = []
+    for _ in range(2):
+        proc = _cli(*args, env_home=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        runs.append(json.loads(proc.stdout))
+    first, second = runs
+    assert first["cached_tokens"] == 0 and first["disk_hits"] == 0
+    assert second["cached_tokens"] == second["prompt_tokens"] - 1  # the whole prompt but its last token
+    assert second["disk_hits"] == 4 and second["answer"] == first["answer"]  # system, 2 documents, question

@@ -1,0 +1,220 @@
+"""The FastAPI app (:func:`create_app`) and the uvicorn runner with a graceful drain (:func:`serve`).
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with ``stream``),
+``GET /v1/models``, ``GET /health``, ``GET /metrics``. Every error is OpenAI-shaped
+(``{"error": {"message", "type", "param", "code"}}``): malformed JSON, unknown fields and bad values
+are 400, an unknown model 404, a busy or draining server 503, an engine failure 500.
+
+Shutdown (SIGTERM or SIGINT): new requests get 503 and the listening socket closes; requests in
+flight get ``drain_timeout`` seconds to finish, the rest are cancelled (their KV freed); then the
+caller closes the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import socket
+from collections.abc import Iterator
+from types import FrameType
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ragcache_backend.engine.engine import RAGCacheEngine
+from ragcache_backend.server.errors import APIError
+from ragcache_backend.server.metrics import CONTENT_TYPE
+from ragcache_backend.server.schema import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    HealthResponse,
+    ModelList,
+)
+from ragcache_backend.server.service import CompletionService, endpoint_label
+from ragcache_backend.server.settings import ServerSettings
+
+__all__ = ["DrainingServer", "bind_socket", "create_app", "serve"]
+
+log = logging.getLogger(__name__)
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events whose iterator is always closed (so an abandoned stream cancels its request)."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[union-attr]
+
+
+def _error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body.model_dump(), status_code=error.status)
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    unknown = [str(e["loc"][-1]) for e in errors if e.get("type") == "extra_forbidden" and len(e["loc"]) == 2]
+    if unknown:
+        return APIError(400, f"unknown field(s) in the request body: {', '.join(unknown)}", param=unknown[0],
+                        code="unknown_parameter")
+    for e in errors:
+        if e.get("type") == "json_invalid":
+            return APIError(400, f"the request body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}",
+                            code="invalid_json")
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg', '')}"
+                        for e in errors[:5])
+    return APIError(400, message or "invalid request body", param=param, code="invalid_value")
+
+
+def create_app(engine: RAGCacheEngine, settings: ServerSettings | None = None) -> FastAPI:
+    """The OpenAI-compatible app over ``engine`` (which the caller owns and closes).
+
+    ``app.state.service`` is its :class:`CompletionService` (drain, metrics). Each app has its own
+    Prometheus registry, so several apps can live in one process.
+    """
+    settings = settings or ServerSettings()
+    service = CompletionService(engine, settings)
+    app = FastAPI(title="ragcache", summary="OpenAI-compatible API with document-level KV caching",
+                  responses={400: {"model": ErrorResponse}})
+    app.state.service = service
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        service.metrics.failed(endpoint_label(request.url.path), exc.status)
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        error = _validation_error(exc)
+        service.metrics.failed(endpoint_label(request.url.path), error.status)
+        return _error_response(error)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else "method_not_allowed" if exc.status_code == 405 else None
+        return _error_response(APIError(exc.status_code, str(exc.detail), code=code))
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error in %s", request.url.path)
+        return _error_response(APIError(500, f"internal error: {type(exc).__name__}", type="server_error",
+                                        code="internal_error"))
+
+    def guard(authorization: str | None = Header(None)) -> None:
+        """Bearer authentication (when an api_key is set) and the drain's 503."""
+        key = settings.api_key.get_secret_value() if settings.api_key is not None else None
+        if key and authorization != f"Bearer {key}":
+            raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)",
+                           type="authentication_error", code="invalid_api_key")
+        service.check_open()
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(guard)])
+
+    @v1.post("/chat/completions", response_model=ChatCompletion, response_model_exclude_none=True)
+    async def chat_completions(body: ChatCompletionRequest,
+                               x_cache_salt: str | None = Header(None)):
+        req = service.prepare(body, x_cache_salt)
+        if req.stream:
+            return _EventStream(await service.open_stream(req))
+        return await service.generate(req)
+
+    @v1.post("/completions", response_model=CompletionResponse, response_model_exclude_none=True)
+    async def completions(body: CompletionRequest, x_cache_salt: str | None = Header(None)):
+        req = service.prepare(body, x_cache_salt)
+        if req.stream:
+            return _EventStream(await service.open_stream(req))
+        return await service.generate(req)
+
+    @v1.get("/models", response_model=ModelList)
+    async def models() -> ModelList:
+        return service.models()
+
+    app.include_router(v1)
+
+    @app.get("/health", response_model=HealthResponse)
+    async def health() -> JSONResponse:
+        body = service.health()
+        return JSONResponse(body.model_dump(), status_code=503 if body.status == "draining" else 200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(service.metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server that turns the app's service to draining on SIGTERM/SIGINT and, once it
+    stopped gracefully, returns normally (exit status 0) instead of re-raising the signal."""
+
+    def __init__(self, config: uvicorn.Config, service: CompletionService) -> None:
+        super().__init__(config)
+        self.service = service
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.service.begin_drain()
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        handled = (signal.SIGINT, signal.SIGTERM)
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (not listening yet: connections are refused until the
+    server starts).
+
+    Raises:
+        OSError: the address is in use or cannot be bound.
+    """
+    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(info[0], socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(info[4])
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(engine: RAGCacheEngine, settings: ServerSettings, sock: socket.socket | None = None) -> None:
+    """Serve ``engine`` until SIGTERM or SIGINT, drain, then close the engine.
+
+    Args:
+        engine: the engine; closed (remaining requests cancelled) when the server stops.
+        settings: host, port, log level, drain timeout...
+        sock: an already bound socket (see :func:`bind_socket`); None binds ``settings.host:port``.
+    """
+    app = create_app(engine, settings)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            timeout_graceful_shutdown=settings.drain_timeout, lifespan="off")
+    server = DrainingServer(config, app.state.service)
+    try:
+        if sock is not None:
+            host, port = sock.getsockname()[:2]
+            logging.getLogger("uvicorn.error").info("ragcache serving %s on http://%s:%d (Ctrl+C to stop)",
+                                                    app.state.service.model_name, host, port)
+        server.run(sockets=[sock] if sock is not None else None)
+    finally:
+        engine.close(cancel=True, timeout=30.0)

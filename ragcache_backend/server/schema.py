@@ -1,0 +1,377 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic).
+
+Requests accept every field the ``openai`` client and the LangChain / LlamaIndex OpenAI wrappers
+send; a field of an unsupported feature is accepted only at its default ("off") value, and
+:meth:`ChatCompletionRequest.unsupported` names the first one that is not. Unknown fields are
+refused (``extra="forbid"``). ragcache's own extensions: ``documents``, ``reuse``, ``cache_salt``
+in requests; the ``ragcache`` object in responses.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ragcache_backend.engine.request import GenerationResult
+
+__all__ = [
+    "ChatChoice", "ChatCompletion", "ChatCompletionChunk", "ChatCompletionRequest", "ChatMessage",
+    "ChunkChoice", "CompletionChoice", "CompletionChunk", "CompletionRequest", "CompletionResponse",
+    "DeltaMessage", "ErrorBody", "ErrorResponse", "ExplicitDocument", "HealthResponse", "ModelCard",
+    "ModelList", "PromptTokensDetails", "RAGCacheInfo", "ResponseMessage", "StreamOptions", "TextPart",
+    "Usage",
+]
+
+#: Longest accepted ``cache_salt`` (characters), as the engine's segments accept.
+MAX_SALT_CHARS = 256
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Open(BaseModel):
+    """A sub-object whose unknown keys are ignored (clients add vendor keys to these)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+# ---- requests ---------------------------------------------------------------------------------------
+class ExplicitDocument(_Strict):
+    """A document passed in the request body: ``id`` (default: the content hash) and its text."""
+
+    id: str | None = Field(None, min_length=1, max_length=256)
+    text: str = Field(..., min_length=1)
+
+
+class StreamOptions(_Open):
+    """``stream_options``: ``include_usage`` adds a last chunk with ``usage`` (and no choices)."""
+
+    include_usage: bool | None = False
+    include_obfuscation: bool | None = None
+
+
+class TextPart(_Open):
+    """One part of a message's content list; only ``type == "text"`` is accepted (checked later)."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Open):
+    """One chat message. Roles: system, developer (as system), user, assistant, tool."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    function_call: dict[str, Any] | None = None
+
+
+class _GenerationFields(_Strict):
+    """Fields shared by both endpoints."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # ragcache extensions
+    documents: list[str | ExplicitDocument] | None = None
+    reuse: Literal["exact", "chunk", "auto"] | None = None
+    cache_salt: str | None = Field(None, max_length=MAX_SALT_CHARS)
+
+    def _common_unsupported(self) -> tuple[str, str] | None:
+        if self.n not in (None, 1):
+            return "n", "only n=1 is supported"
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                return name, f"{name} is not supported (only 0)"
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported"
+        if isinstance(self.stop, list) and len(self.stop) > 4:
+            return "stop", "at most 4 stop sequences"
+        return None
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """``stop`` as a tuple (empty strings dropped)."""
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+        return tuple(s for s in stops if s)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_GenerationFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    service_tier: str | None = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    verbosity: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """``(field, message)`` of the first field set to a value this server cannot honour."""
+        common = self._common_unsupported()
+        if common:
+            return common
+        if self.logprobs:
+            return "logprobs", "logprobs are not supported"
+        if self.top_logprobs:
+            return "top_logprobs", "logprobs are not supported"
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return "response_format", "only response_format type 'text' is supported"
+        if self.tools or self.functions:
+            return ("tools" if self.tools else "functions"), "tool calling is not supported"
+        for name in ("tool_choice", "function_call"):
+            value = getattr(self, name)
+            if value is not None and value not in ("none", "auto"):
+                return name, "tool calling is not supported"
+        if self.modalities and set(self.modalities) != {"text"}:
+            return "modalities", "only the text modality is supported"
+        for name in ("audio", "prediction", "web_search_options"):
+            if getattr(self, name):
+                return name, f"{name} is not supported"
+        if self.reasoning_effort:
+            return "reasoning_effort", "reasoning_effort is not supported"
+        return None
+
+    @property
+    def token_limit(self) -> tuple[str, int | None]:
+        """``(field name, value)`` of the generation limit: ``max_completion_tokens`` wins."""
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
+
+
+class CompletionRequest(_GenerationFields):
+    """``POST /v1/completions`` (one text prompt; token-id prompts are refused)."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """``(field, message)`` of the first field set to a value this server cannot honour."""
+        common = self._common_unsupported()
+        if common:
+            return common
+        if isinstance(self.prompt, list) and (len(self.prompt) != 1 or not isinstance(self.prompt[0], str)):
+            return "prompt", "prompt must be one string (token ids and batches are not supported)"
+        if self.logprobs:
+            return "logprobs", "logprobs are not supported"
+        if self.echo:
+            return "echo", "echo is not supported"
+        if self.best_of not in (None, 1):
+            return "best_of", "only best_of=1 is supported"
+        if self.suffix:
+            return "suffix", "suffix is not supported"
+        return None
+
+    @property
+    def token_limit(self) -> tuple[str, int | None]:
+        return "max_tokens", self.max_tokens
+
+    @property
+    def prompt_text(self) -> str:
+        """The prompt as one string (after :meth:`unsupported` passed)."""
+        return self.prompt if isinstance(self.prompt, str) else str(self.prompt[0])
+
+
+# ---- responses --------------------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    """Token counts; ``prompt_tokens_details.cached_tokens`` = prompt tokens served from the cache."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+    @classmethod
+    def of(cls, result: GenerationResult) -> Usage:
+        completion = len(result.token_ids)
+        return cls(prompt_tokens=result.prompt_tokens, completion_tokens=completion,
+                   total_tokens=result.prompt_tokens + completion,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=result.cached_tokens))
+
+
+class RAGCacheInfo(BaseModel):
+    """The ``ragcache`` extension object: what the cache did for this request.
+
+    Attributes:
+        cached_tokens: prompt tokens whose KV was reused (chunk_cached_tokens included).
+        computed_tokens: prompt tokens run through the model (recomputed_tokens included).
+        recomputed_tokens: tokens of reused chunks recomputed (chunk modes).
+        chunk_cached_tokens: tokens served from chunk caches at another position (chunk modes).
+        device_hits, host_hits, disk_hits: reused nodes found in each tier (disk: 0 until the disk
+            tier reports per-request hits).
+        documents: ids of the recognised documents, in prompt order.
+        reuse: the reuse mode the request ran in.
+        ttft_s: seconds from submission to the first token.
+    """
+
+    cached_tokens: int
+    computed_tokens: int
+    recomputed_tokens: int
+    chunk_cached_tokens: int
+    device_hits: int
+    host_hits: int
+    disk_hits: int
+    documents: list[str]
+    reuse: str
+    ttft_s: float
+
+    @classmethod
+    def of(cls, result: GenerationResult) -> RAGCacheInfo:
+        return cls(cached_tokens=result.cached_tokens, computed_tokens=result.computed_tokens,
+                   recomputed_tokens=result.recomputed_tokens, chunk_cached_tokens=result.chunk_cached_tokens,
+                   device_hits=result.device_hits, host_hits=result.host_hits,
+                   disk_hits=int(getattr(result, "disk_hits", 0) or 0), documents=list(result.documents),
+                   reuse=result.reuse, ttft_s=result.ttft_s)
+
+
+class ResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    refusal: None = None
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ResponseMessage
+    finish_reason: str
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+    ragcache: RAGCacheInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+    ragcache: RAGCacheInfo | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+    ragcache: RAGCacheInfo
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+    ragcache: RAGCacheInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "ragcache"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class HealthResponse(BaseModel):
+    """``GET /health``: ``status`` is ``ok``, or ``draining`` while shutting down (then HTTP 503)."""
+
+    status: Literal["ok", "draining"]
+    model: str
+    in_flight: int
+    waiting: int
+    running: int
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorBody
+

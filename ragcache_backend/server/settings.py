@@ -1,0 +1,150 @@
+"""Settings of ``ragcache serve``: command-line flags over ``RAGCACHE_*`` environment variables over
+a config file (TOML or JSON, flat keys named as the fields below).
+
+Every value is checked (pydantic) before the model loads; a bad one is a
+:class:`~ragcache_backend.errors.InvalidRequestError` whose message names the field.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr, ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from ragcache_backend.config import MiB, EngineConfig, default_disk_dir
+from ragcache_backend.errors import InvalidRequestError
+
+__all__ = ["LOG_LEVELS", "ServerSettings", "load_settings", "read_config_file"]
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+class ServerSettings(BaseSettings):
+    """What ``ragcache serve`` runs: the engine's knobs and the HTTP server's.
+
+    Environment variables: ``RAGCACHE_`` + the field name in upper case (``RAGCACHE_PORT=9000``).
+    """
+
+    model_config = SettingsConfigDict(env_prefix="RAGCACHE_", extra="forbid", frozen=True)
+
+    host: str = Field("127.0.0.1", description="interface to listen on")
+    port: int = Field(8000, ge=1, le=65535, description="TCP port")
+    model: str | None = Field(None, description="GGUF file or HF folder; None = SmolLM2-135M-Instruct")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights and KV dtype")
+    threads: int | None = Field(None, ge=1, description="torch threads; None = torch's default")
+    policy: Literal["pgdsf", "gdsf", "lru", "lfu"] = Field("pgdsf", description="cache replacement policy")
+    device_mib: int = Field(512, ge=1, description="device tier (KV arena) budget, MiB")
+    host_mib: int = Field(2048, ge=0, description="host tier budget, MiB (0 disables it)")
+    cache_dir: Path | None = Field(None, description="disk tier folder; None = ragcache_home()/kv")
+    disk_cache: bool = Field(True, description="False disables the disk tier")
+    disk_budget_mib: int = Field(4096, ge=0, description="disk tier budget, MiB")
+    reuse: Literal["exact", "chunk", "auto"] = Field("exact", description="default reuse mode of a request")
+    max_batch_size: int = Field(8, ge=1, description="sequences in one forward step")
+    max_queue: int = Field(64, ge=0, description="requests that may wait beyond a full batch; more get 503")
+    served_model_name: str | None = Field(None, description="model name clients use; None = the engine's")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens of a request that gives none (capped by the window)")
+    drain_timeout: float = Field(30.0, ge=0.0, description="seconds in-flight requests get to finish on shutdown")
+    log_level: Literal[LOG_LEVELS] = Field("info", description="log level (uvicorn's names)")  # type: ignore[valid-type]
+    api_key: SecretStr | None = Field(None, description="if set, /v1 requests need 'Authorization: Bearer <key>'")
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings):
+        """Flags (init arguments) over environment; no dotenv or secrets files."""
+        return (init_settings, env_settings)
+
+    @property
+    def disk_dir(self) -> Path | None:
+        """The disk tier's folder, or None when the tier is off."""
+        if not self.disk_cache:
+            return None
+        return (self.cache_dir or default_disk_dir()).expanduser()
+
+    def engine_config(self) -> EngineConfig:
+        """The :class:`EngineConfig` these settings describe.
+
+        Raises:
+            InvalidRequestError: a value the engine refuses.
+        """
+        try:
+            return EngineConfig(
+                model=self.model, dtype=self.dtype, threads=self.threads, policy=self.policy, reuse=self.reuse,
+                device_budget_bytes=self.device_mib * MiB, host_budget_bytes=self.host_mib * MiB,
+                disk_dir=self.disk_dir, disk_budget_bytes=self.disk_budget_mib * MiB,
+                max_batch_size=self.max_batch_size,
+            )
+        except ValidationError as exc:
+            raise InvalidRequestError(f"invalid engine configuration: {validation_message(exc)}") from None
+
+
+class _MappingSource(PydanticBaseSettingsSource):
+    """Settings from a mapping (a config file's contents): the lowest-priority source."""
+
+    def __init__(self, settings_cls: type[BaseSettings], values: Mapping[str, Any]) -> None:
+        super().__init__(settings_cls)
+        self._values = dict(values)
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return self._values.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(self._values)
+
+
+def validation_message(exc: ValidationError) -> str:
+    """A pydantic ``ValidationError`` on one line: ``field: message; field: message``."""
+    return "; ".join(f"{'.'.join(map(str, e.get('loc', ()))) or 'settings'}: {e.get('msg', '')}"
+                     for e in exc.errors())
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """The settings in a ``.toml`` or ``.json`` file (flat keys; ``-`` in a key read as ``_``).
+
+    Raises:
+        InvalidRequestError: missing or unreadable file, bad syntax, not a table/object, unknown keys.
+    """
+    path = Path(path).expanduser()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise InvalidRequestError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    try:
+        data = json.loads(text) if path.suffix.lower() == ".json" else tomllib.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise InvalidRequestError(f"config file {path} is not valid {'JSON' if path.suffix.lower() == '.json' else 'TOML'}: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequestError(f"config file {path} must hold a table of settings")
+    values = {str(k).replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(set(values) - set(ServerSettings.model_fields))
+    if unknown:
+        raise InvalidRequestError(f"config file {path}: unknown setting(s) {', '.join(unknown)}; "
+                                  f"known: {', '.join(ServerSettings.model_fields)}")
+    return values
+
+
+def load_settings(config_file: Path | None = None, **flags: Any) -> ServerSettings:
+    """Settings from ``flags`` (None = not given) over ``RAGCACHE_*`` variables over ``config_file``.
+
+    Raises:
+        InvalidRequestError: an unreadable config file or any invalid value (message names the field).
+    """
+    file_values = read_config_file(config_file) if config_file is not None else {}
+
+    class _Layered(ServerSettings):
+        @classmethod
+        def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                       file_secret_settings):
+            return (init_settings, env_settings, _MappingSource(settings_cls, file_values))
+
+    try:
+        layered = _Layered(**{k: v for k, v in flags.items() if v is not None})
+        return ServerSettings.model_validate(
+            {name: getattr(layered, name) for name in ServerSettings.model_fields})
+    except ValidationError as exc:
+        raise InvalidRequestError(f"invalid setting: {validation_message(exc)}") from None

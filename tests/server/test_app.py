@@ -1,0 +1,238 @@
+"""The app in-process (httpx ``ASGITransport``) over the tiny random model: request checks, error
+shapes, streaming shapes, authentication, the busy limit, the drain, per-app metrics; and the
+settings' precedence (flags > ``RAGCACHE_*`` > config file) and ``ragcache serve``'s option checks.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from ragcache_backend import cli
+from ragcache_backend.config import EngineConfig
+from ragcache_backend.engine.engine import RAGCacheEngine
+from ragcache_backend.errors import InvalidRequestError
+from ragcache_backend.server.app import create_app
+from ragcache_backend.server.schema import ChatCompletionRequest
+from ragcache_backend.server.settings import ServerSettings, load_settings
+
+DOC = ("The Larkspur Valley Railway carried slate from the quarries at Upper Larkspur down to Merrow harbour, "
+       "with four small tank engines named after local birds.")
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model, fixed_profile):
+    eng = RAGCacheEngine(EngineConfig(device_budget_bytes=4 << 20, host_budget_bytes=16 << 20),
+                         loaded=tiny_model, profile=fixed_profile)
+    yield eng
+    eng.close(cancel=True)
+
+
+def client_for(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=60)
+
+
+@pytest.fixture()
+async def api(engine):
+    async with client_for(create_app(engine, ServerSettings(default_max_tokens=4))) as client:
+        yield client
+
+
+def sse(text: str) -> list[str]:
+    return [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+
+
+def assert_error(response: httpx.Response, status: int, code: str | None = None, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if code is not None:
+        assert error["code"] == code
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+@pytest.mark.parametrize(("path", "body", "status", "code", "param"), [
+    ("/v1/chat/completions", {"messages": HI, "bogus": 1, "other": 2}, 400, "unknown_parameter", "bogus"),
+    ("/v1/chat/completions", {"messages": HI, "max_tokens": 0}, 400, "invalid_value", "max_tokens"),
+    ("/v1/chat/completions", {"messages": HI, "max_tokens": 2048}, 400, "invalid_value", "max_tokens"),
+    ("/v1/chat/completions", {"messages": HI, "max_tokens": "many"}, 400, "invalid_value", "max_tokens"),
+    ("/v1/chat/completions", {"messages": HI, "temperature": 5}, 400, "invalid_value", "temperature"),
+    ("/v1/chat/completions", {"messages": HI, "logprobs": True}, 400, "unsupported_parameter", "logprobs"),
+    ("/v1/chat/completions", {"messages": HI, "presence_penalty": 0.5}, 400, "unsupported_parameter", "presence_penalty"),
+    ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_object"}}, 400,
+     "unsupported_parameter", "response_format"),
+    ("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+     "unsupported_parameter", "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None,
+                                            "tool_calls": [{"id": "1", "type": "function"}]}]}, 400, None, None),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "invalid_value", None),
+    ("/v1/chat/completions", {"messages": HI, "reuse": "fuzzy"}, 400, "invalid_value", "reuse"),
+    ("/v1/chat/completions", {"messages": HI, "cache_salt": "s" * 300}, 400, "invalid_value", "cache_salt"),
+    ("/v1/chat/completions", {"messages": [{"role": "system", "content": "x"}], "documents": [DOC]}, 400, None,
+     "documents"),
+    ("/v1/chat/completions", {"messages": HI, "model": "nope"}, 404, "model_not_found", "model"),
+    ("/v1/chat/completions", [1, 2], 400, "invalid_value", None),
+    ("/v1/completions", {"prompt": [1, 2, 3]}, 400, "unsupported_parameter", "prompt"),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "unsupported_parameter", "echo"),
+    ("/v1/completions", {"prompt": "word " * 3000, "max_tokens": 4}, 400, "context_length_exceeded", "prompt"),
+    ("/v1/completions", {"prompt": ""}, 400, None, "prompt"),
+    ("/v1/nothing", {}, 404, "not_found", None),
+])
+async def test_bad_requests_are_openai_errors(api, path, body, status, code, param):
+    assert_error(await api.post(path, json=body), status, code, param)
+    assert (await api.get("/health")).json()["status"] == "ok"
+
+
+async def test_standard_client_fields_are_accepted(api):
+    body = {"messages": [{"role": "developer", "content": "Be brief."}, *HI], "n": 1, "user": "u", "seed": 3,
+            "logprobs": False, "presence_penalty": 0, "frequency_penalty": 0.0, "response_format": {"type": "text"},
+            "parallel_tool_calls": True, "tool_choice": "none", "stream_options": None, "store": False,
+            "metadata": {"a": "b"}, "stop": ["\n\n"], "top_p": 0.9, "max_completion_tokens": 3}
+    response = await api.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    data = response.json()
+    assert data["object"] == "chat.completion" and data["usage"]["completion_tokens"] <= 3
+    assert data["usage"]["total_tokens"] == data["usage"]["prompt_tokens"] + data["usage"]["completion_tokens"]
+    assert set(data["ragcache"]) >= {"computed_tokens", "recomputed_tokens", "chunk_cached_tokens", "device_hits",
+                                     "host_hits", "documents"}
+
+
+async def test_streaming_shapes(api):
+    response = await api.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 3, "stream": True,
+                                                            "stream_options": {"include_usage": True}})
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    events = sse(response.text)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length" and chunks[-2]["ragcache"] is not None
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+    response = await api.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "stream": True})
+    chunks = [json.loads(e) for e in sse(response.text)[:-1]]
+    assert all(c["object"] == "text_completion" and c["usage"] is None for c in chunks)
+
+
+async def test_documents_inserted_and_recognised(api):
+    body = {"messages": HI, "max_tokens": 2, "documents": [{"id": "rail", "text": DOC}, DOC.upper()]}
+    first = (await api.post("/v1/chat/completions", json=body)).json()
+    assert first["ragcache"]["documents"] == ["rail", cli_content_id(DOC.upper())]
+    again = (await api.post("/v1/chat/completions", json=body)).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == again["usage"]["prompt_tokens"] - 1
+    clash = await api.post("/v1/chat/completions", json={**body, "documents": [{"id": "rail", "text": DOC[::-1]}]})
+    assert_error(clash, 400, param="documents[0].id")
+
+
+def cli_content_id(text: str) -> str:
+    from ragcache_backend.retrieval.documents import content_id
+
+    return content_id(text)
+
+
+async def test_api_key_and_drain(engine):
+    app = create_app(engine, ServerSettings(api_key="s3cret", default_max_tokens=2))
+    async with client_for(app) as api:
+        assert_error(await api.get("/v1/models"), 401, "invalid_api_key")
+        assert_error(await api.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
+        ok = await api.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
+        assert ok.json()["data"][0]["id"] == "tiny-llama"
+        assert (await api.get("/metrics")).status_code == 200  # no key needed
+        app.state.service.begin_drain()
+        assert_error(await api.post("/v1/chat/completions", json={"messages": HI},
+                                    headers={"Authorization": "Bearer s3cret"}), 503, "shutting_down")
+        health = await api.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "draining"
+
+
+async def test_busy_server_answers_503(engine):
+    app = create_app(engine, ServerSettings(max_batch_size=1, max_queue=0, served_model_name="house-model"))
+    service = app.state.service
+    async with client_for(app) as api:
+        body = {"model": "house-model", "messages": HI, "max_tokens": 512, "stream": True}
+        # hold one request open (its first chunk received), as a slow streaming client would
+        events = await service.open_stream(service.prepare(ChatCompletionRequest(**body), None))
+        try:
+            assert_error(await api.post("/v1/chat/completions", json=body), 503, "server_busy")
+        finally:
+            await events.aclose()  # never iterated: still cancels the request and frees its slot
+        assert engine.wait_idle(30) and engine.stats.cancelled >= 1
+        response = await api.post("/v1/chat/completions", json={**body, "stream": False, "max_tokens": 2})
+        assert response.status_code == 200 and response.json()["model"] == "house-model"
+
+
+async def test_each_app_has_its_own_metrics(engine):
+    one, two = create_app(engine, ServerSettings()), create_app(engine, ServerSettings())
+    async with client_for(one) as a, client_for(two) as b:
+        await a.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 1})
+        text_a, text_b = (await a.get("/metrics")).text, (await b.get("/metrics")).text
+    assert 'ragcache_http_requests_total{endpoint="chat.completions",status="200"} 1.0' in text_a
+    assert 'endpoint="chat.completions",status="200"' not in text_b
+
+
+def test_settings_precedence(tmp_path, monkeypatch):
+    config = tmp_path / "serve.toml"
+    config.write_text('port = 7000\nmax-queue = 3\nreuse = "chunk"\nlog_level = "debug"\n')
+    monkeypatch.setenv("RAGCACHE_PORT", "7100")
+    monkeypatch.setenv("RAGCACHE_REUSE", "auto")
+    settings = load_settings(config, reuse="exact", disk_cache=None)
+    assert (settings.port, settings.max_queue, settings.reuse, settings.log_level) == (7100, 3, "exact", "debug")
+    assert settings.engine_config().disk_dir == settings.disk_dir and settings.disk_dir is not None
+    assert load_settings(None, disk_cache=False).engine_config().disk_dir is None
+    (tmp_path / "serve.json").write_text(json.dumps({"port": 7200, "api_key": "k"}))
+    monkeypatch.delenv("RAGCACHE_PORT")
+    from_json = load_settings(tmp_path / "serve.json")
+    assert from_json.port == 7200 and from_json.api_key.get_secret_value() == "k"
+    (tmp_path / "bad.toml").write_text("colour = 'blue'\n")
+    with pytest.raises(InvalidRequestError, match="colour"):
+        load_settings(tmp_path / "bad.toml")
+    with pytest.raises(InvalidRequestError, match="max_queue"):
+        load_settings(None, max_queue=-1)
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as info:
+        cli.main(list(argv))
+    captured = capsys.readouterr()
+    return info.value.code, captured.out, captured.err
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["serve", "--port", "70000"], "--port"),
+    (["serve", "--max-queue", "-1"], "--max-queue"),
+    (["serve", "--dtype", "int4"], "unknown dtype"),
+    (["serve", "--log-level", "loud"], "unknown log level"),
+    (["serve", "--model", "/no/such/model"], "does not exist"),
+    (["serve", "--config", "/no/such/file.toml"], "--config"),
+    (["ask", "q", "--disk-budget-mib", "-1"], "--disk-budget-mib"),
+])
+def test_serve_options_checked_before_loading(capsys, monkeypatch, argv, needle):
+    monkeypatch.setattr(cli, "_engine", lambda *a, **k: pytest.fail("the model must not load"))
+    code, _, stderr = run_cli(capsys, *argv)
+    assert code == 2 and stderr.startswith("error: ") and needle in stderr and len(stderr.strip().splitlines()) == 1
+
+
+def test_serve_bad_env_and_busy_port(capsys, monkeypatch):
+    import socket
+
+    monkeypatch.setattr(cli, "_engine", lambda *a, **k: pytest.fail("the model must not load"))
+    monkeypatch.setenv("RAGCACHE_MAX_BATCH_SIZE", "zero")
+    code, _, stderr = run_cli(capsys, "serve")
+    assert code == 2 and "max_batch_size" in stderr
+    monkeypatch.delenv("RAGCACHE_MAX_BATCH_SIZE")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        code, _, stderr = run_cli(capsys, "serve", "--port", str(taken.getsockname()[1]))
+    assert code == 2 and "cannot listen" in stderr
+
+
+def test_version(capsys):
+    from importlib.metadata import version
+
+    code, stdout, _ = run_cli(capsys, "--version")
+    assert code == 0 and stdout.strip() == f"ragcache {version('ragcache-kv')}"
