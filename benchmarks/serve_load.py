@@ -6,10 +6,11 @@ user message ``documents + question`` built from the Python docs with skewed doc
 (:mod:`ragcache_backend.bench.workload`). ragcache also receives the documents in its ``documents``
 body field (that is its API for document reuse); vLLM reuses prefixes by itself.
 
-Per server it reports: requests answered / failed (with the error), TTFT p50/p99 (time to the
-first streamed content), end-to-end p50/p99, output tokens per second over the burst, cached
-prompt tokens, server RSS before / at the end / after the burst, and for ragcache the tier bytes
-against their budgets read from ``/metrics``. Servers run one after the other (2 cores: never
+Per server and burst (``--bursts``, the first on a cold cache) it reports: requests answered /
+failed (with the error), TTFT p50/p99 (time to the first streamed content), end-to-end p50/p99,
+output tokens per second over the burst, cached prompt tokens, server RSS before, at the end of
+and 5 s after each burst, and for ragcache the tier bytes against their budgets read from
+``/metrics``. Servers run one after the other (2 cores: never
 both at once), ragcache first; ratios are printed side by side.
 
     .venv/bin/python benchmarks/serve_load.py --clients 200 --max-tokens 16 --json out.json
@@ -176,6 +177,22 @@ def summarise(name: str, results: list[dict], wall: float, rss: dict) -> dict:
             "rss_mib": rss}
 
 
+def measure(name: str, base: str, model: str, proc: subprocess.Popen, trace: list[dict], args,
+            with_documents: bool) -> dict:
+    """Warm-up request, then ``args.bursts`` bursts of the whole trace; RSS before, after each burst
+    and after 5 s idle (the second burst shows whether memory keeps growing once the cache is full)."""
+    asyncio.run(run_burst(base, model, trace[:1], args.max_tokens, with_documents))  # warm-up (one request)
+    time.sleep(1.0)
+    baseline = rss_mib(proc.pid)
+    bursts = []
+    for b in range(args.bursts):
+        results, wall = asyncio.run(run_burst(base, model, trace, args.max_tokens, with_documents))
+        end = rss_mib(proc.pid)
+        time.sleep(5.0)
+        bursts.append(summarise(name, results, wall, {"end_of_burst": end, "after_idle_5s": rss_mib(proc.pid)}))
+    return {"server": name, "rss_baseline_mib": baseline, "bursts": bursts}
+
+
 def stop(proc: subprocess.Popen) -> int:
     proc.send_signal(signal.SIGTERM)
     try:
@@ -196,16 +213,10 @@ def run_ragcache(args, trace: list[dict], log_dir: Path) -> dict:
     try:
         wait_health(base, proc, 600)
         model = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
-        asyncio.run(run_burst(base, model, trace[:1], args.max_tokens, True))  # warm-up (one request)
-        time.sleep(1.0)
-        rss = {"baseline": rss_mib(proc.pid)}
-        results, wall = asyncio.run(run_burst(base, model, trace, args.max_tokens, True))
-        rss["end_of_burst"] = rss_mib(proc.pid)
-        time.sleep(5.0)
-        rss["after_idle_5s"] = rss_mib(proc.pid)
-        out = summarise("ragcache", results, wall, rss)
+        out = measure("ragcache", base, model, proc, trace, args, True)
         out["metrics"] = {k: v for k, v in metrics_values(base).items()
-                          if any(s in k for s in ("bytes", "budget", "queue", "running", "in_flight", "evictions", "hits"))}
+                          if any(s in k for s in ("bytes", "budget", "queue", "running", "in_flight", "evictions", "hits",
+                                                  "disk", "retries", "engine_requests"))}
         out["exit_code"] = stop(proc)
         return out
     except Exception as exc:
@@ -218,22 +229,17 @@ def run_vllm(args, trace: list[dict], log_dir: Path) -> dict:
         return {"server": "vllm", "error": f"peer not installed ({VLLM_PY} / {VLLM_MODEL}); run benchmarks/setup_peers.sh vllm"}
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_gib), HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="all")
+    threads = os.cpu_count() or 1
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_gib), HF_HUB_OFFLINE="1", PYTHONPATH="",
+               OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
     cmd = [str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(VLLM_MODEL), "--port", str(port),
            "--dtype", args.dtype, "--enable-prefix-caching", "--max-model-len", "4096", "--served-model-name", "smollm2",
-           "--max-num-seqs", str(args.max_batch), "--block-size", "32"]
+           "--max-num-seqs", str(args.max_batch), "--block-size", "32", "--enable-prompt-tokens-details"]
     log = open(log_dir / "vllm-serve.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     try:
         wait_health(base, proc, 900)
-        asyncio.run(run_burst(base, "smollm2", trace[:1], args.max_tokens, False))
-        time.sleep(1.0)
-        rss = {"baseline": rss_mib(proc.pid)}
-        results, wall = asyncio.run(run_burst(base, "smollm2", trace, args.max_tokens, False))
-        rss["end_of_burst"] = rss_mib(proc.pid)
-        time.sleep(5.0)
-        rss["after_idle_5s"] = rss_mib(proc.pid)
-        out = summarise("vllm", results, wall, rss)
+        out = measure("vllm", base, "smollm2", proc, trace, args, False)
         out["exit_code"] = stop(proc)
         return out
     except Exception as exc:
@@ -249,8 +255,9 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3, help="documents per request")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-batch", type=int, default=8, help="vLLM --max-num-seqs (ragcache's default batch is 8)")
-    ap.add_argument("--vllm-kv-gib", type=float, default=0.5)
-    ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--vllm-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE, whole GiB")
+    ap.add_argument("--servers", default="ragcache,vllm", help="which servers, in order (comma-separated)")
+    ap.add_argument("--bursts", type=int, default=2, help="bursts of the whole trace per server (the first on a cold cache)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -258,17 +265,17 @@ def main() -> None:
     log_dir.mkdir(parents=True, exist_ok=True)
     trace = build_trace(args.clients, args.k, args.seed)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    runs = [run_ragcache(args, trace, log_dir)]
-    if not args.no_vllm:
-        runs.append(run_vllm(args, trace, log_dir))
+    runners = {"ragcache": run_ragcache, "vllm": run_vllm}
+    runs = [runners[name](args, trace, log_dir) for name in args.servers.split(",")]
     report = {"date": started, "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
               "command": " ".join(sys.argv), "clients": args.clients, "max_tokens": args.max_tokens, "runs": runs}
     ours = runs[0]
-    for peer in runs[1:]:
+    for peer in runs[1:] if ours["server"] == "ragcache" else ():
         if "error" not in peer and "error" not in ours:
-            report[f"ratio_vs_{peer['server']}"] = {
-                m: (ours[m] / peer[m] if peer[m] else None)
-                for m in ("ttft_p50_s", "ttft_p99_s", "e2e_p50_s", "e2e_p99_s", "output_tokens_per_s")}
+            report[f"ratio_vs_{peer['server']}"] = [
+                {m: (a[m] / b[m] if b[m] else None)
+                 for m in ("ttft_p50_s", "ttft_p99_s", "e2e_p50_s", "e2e_p99_s", "output_tokens_per_s")}
+                for a, b in zip(ours["bursts"], peer["bursts"])]
     text = json.dumps(report, indent=2)
     print(text)
     if args.json:

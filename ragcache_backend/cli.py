@@ -453,6 +453,7 @@ def serve(
         except OSError as exc:
             raise InvalidRequestError(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}") from None
         level = "DEBUG" if settings.log_level == "trace" else settings.log_level.upper()
+        logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s")  # the engine's and disk tier's logs
         logging.getLogger("ragcache_backend").setLevel(level)
         try:
             engine = _engine(config)

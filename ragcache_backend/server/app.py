@@ -13,9 +13,11 @@ caller closes the engine.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import signal
 import socket
+import sys
 from collections.abc import Iterator
 from types import FrameType
 
@@ -40,7 +42,7 @@ from ragcache_backend.server.schema import (
 from ragcache_backend.server.service import CompletionService, endpoint_label
 from ragcache_backend.server.settings import ServerSettings
 
-__all__ = ["DrainingServer", "bind_socket", "create_app", "serve"]
+__all__ = ["DrainingServer", "bind_socket", "create_app", "return_freed_buffers_to_the_os", "serve"]
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +200,24 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def return_freed_buffers_to_the_os(threshold_bytes: int = 1 << 20) -> bool:
+    """On glibc, serve allocations of ``threshold_bytes`` or more (host-tier KV buffers, files read
+    back from disk) with mmap, so that freeing one gives its memory back to the OS.
+
+    By default glibc raises that threshold after the first large free, and later buffers come from
+    the heap, where freed ones fragment: a server whose host tier churns kept growing (measured:
+    +373 MiB of RSS beyond the tiers' bytes after a second 200-client burst, +2 MiB with this).
+    Returns False where it does not apply (another libc, another OS).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(-3, threshold_bytes))  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
 def serve(engine: RAGCacheEngine, settings: ServerSettings, sock: socket.socket | None = None) -> None:
     """Serve ``engine`` until SIGTERM or SIGINT, drain, then close the engine.
 
@@ -206,6 +226,7 @@ def serve(engine: RAGCacheEngine, settings: ServerSettings, sock: socket.socket 
         settings: host, port, log level, drain timeout...
         sock: an already bound socket (see :func:`bind_socket`); None binds ``settings.host:port``.
     """
+    return_freed_buffers_to_the_os()
     app = create_app(engine, settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             timeout_graceful_shutdown=settings.drain_timeout, lifespan="off")

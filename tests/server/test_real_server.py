@@ -7,6 +7,7 @@ is in flight. Every request generates at most 16 tokens.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import signal
@@ -220,6 +221,46 @@ def test_cache_salt_isolates_tenants(client, server):
     assert a2.usage.prompt_tokens_details.cached_tokens >= a2.usage.prompt_tokens - 1
     assert b1.usage.prompt_tokens_details.cached_tokens == 0
     assert b1.choices[0].message.content == a1.choices[0].message.content
+
+
+async def test_200_concurrent_streaming_clients_get_an_answer_or_a_clear_error(server, model_name):
+    """A bounded burst on loopback: 200 streams at once against a server that admits a batch of 8 plus
+    a queue of 64. Every client gets its answer or a 503 in the OpenAI shape; afterwards nothing is in
+    flight, no tier is over its budget, and a second burst leaves the server's memory where the
+    first left it (the cache's tiers are full by then: what grows after that is a leak)."""
+    def rss_mib() -> float:
+        for line in open(f"/proc/{server.process.pid}/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return 0.0
+
+    async def one(client: httpx.AsyncClient, i: int) -> str:
+        body = {"model": model_name, "stream": True, "max_tokens": 2, "temperature": 0,
+                "messages": [{"role": "user", "content": f"Say a number. Client {i % 40}."}]}
+        async with client.stream("POST", f"{server.url}/v1/chat/completions", json=body) as resp:
+            if resp.status_code != 200:
+                error = json.loads(await resp.aread())["error"]
+                assert resp.status_code == 503 and error["code"] == "server_busy" and error["message"]
+                return "busy"
+            lines = [line async for line in resp.aiter_lines() if line.startswith("data: ")]
+            assert lines[-1] == "data: [DONE]" and not any('"error"' in line for line in lines)
+            return "answered"
+
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    memory = []
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as client:
+        for _ in range(2):
+            outcomes = await asyncio.gather(*(one(client, i) for i in range(200)))
+            print("outcomes:", outcomes.count("answered"), "answered,", outcomes.count("busy"), "busy")
+            assert outcomes.count("answered") >= 72 and set(outcomes) <= {"answered", "busy"}
+            memory.append(rss_mib())
+    health = httpx.get(f"{server.url}/health").json()
+    assert health["in_flight"] == 0 and health["waiting"] == 0 and health["running"] == 0
+    text = httpx.get(f"{server.url}/metrics").text
+    for tier in ("device", "host", "disk"):
+        assert metric(text, "ragcache_cache_bytes", tier=tier) <= metric(text, "ragcache_cache_budget_bytes", tier=tier)
+    print("rss after bursts (MiB):", memory)
+    assert memory[1] - memory[0] < 64, memory  # MiB: no growth once a burst has run
 
 
 def test_sigterm_drains_the_request_in_flight(server, model_name):
