@@ -12,14 +12,16 @@ caller closes the engine.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import logging
 import signal
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from types import FrameType
+from typing import TypeVar
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
@@ -45,6 +47,7 @@ from ragcache_backend.server.settings import ServerSettings
 __all__ = ["DrainingServer", "bind_socket", "create_app", "return_freed_buffers_to_the_os", "serve"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class _EventStream(StreamingResponse):
@@ -79,6 +82,25 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg', '')}"
                         for e in errors[:5])
     return APIError(400, message or "invalid request body", param=param, code="invalid_value")
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | Response:
+    """Await ``work`` (a non-streaming generation); if the client disconnects first, cancel it (the
+    engine request is cancelled and its KV freed) and answer 499 (read by no one)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                return Response(status_code=499)
+    finally:
+        if not task.done():  # this handler was cancelled (server shutdown)
+            task.cancel()
 
 
 def create_app(engine: RAGCacheEngine, settings: ServerSettings | None = None) -> FastAPI:
@@ -126,19 +148,19 @@ def create_app(engine: RAGCacheEngine, settings: ServerSettings | None = None) -
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(guard)])
 
     @v1.post("/chat/completions", response_model=ChatCompletion, response_model_exclude_none=True)
-    async def chat_completions(body: ChatCompletionRequest,
+    async def chat_completions(body: ChatCompletionRequest, request: Request,
                                x_cache_salt: str | None = Header(None)):
         req = service.prepare(body, x_cache_salt)
         if req.stream:
             return _EventStream(await service.open_stream(req))
-        return await service.generate(req)
+        return await _unless_disconnected(request, service.generate(req))
 
     @v1.post("/completions", response_model=CompletionResponse, response_model_exclude_none=True)
-    async def completions(body: CompletionRequest, x_cache_salt: str | None = Header(None)):
+    async def completions(body: CompletionRequest, request: Request, x_cache_salt: str | None = Header(None)):
         req = service.prepare(body, x_cache_salt)
         if req.stream:
             return _EventStream(await service.open_stream(req))
-        return await service.generate(req)
+        return await _unless_disconnected(request, service.generate(req))
 
     @v1.get("/models", response_model=ModelList)
     async def models() -> ModelList:

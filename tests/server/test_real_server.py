@@ -211,6 +211,20 @@ def test_client_disconnect_cancels_the_request(server, model_name):
     assert ask(openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0), "Say hi.").choices[0].message.content
 
 
+def test_a_non_streaming_client_that_disconnects_cancels_its_request(server, model_name):
+    before = metric(httpx.get(f"{server.url}/metrics").text, "ragcache_engine_requests_total", outcome="cancelled")
+    body = {"model": model_name, "messages": [{"role": "user", "content": "Write a very long story about a ship."}],
+            "max_tokens": 400, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up long before 400 tokens are generated
+        httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=1.5)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and httpx.get(f"{server.url}/health").json()["in_flight"]:
+        time.sleep(0.2)
+    assert httpx.get(f"{server.url}/health").json()["in_flight"] == 0
+    after = metric(httpx.get(f"{server.url}/metrics").text, "ragcache_engine_requests_total", outcome="cancelled")
+    assert after == before + 1
+
+
 def test_cache_salt_isolates_tenants(client, server):
     doc = f"Tenant note {uuid.uuid4()}: " + DOC_A.replace("slate", "granite")
     body = dict(extra_body={"documents": [doc]})
