@@ -41,7 +41,7 @@ def main() -> None:
     from ragcache_backend.engine.engine import RAGCacheEngine
     from ragcache_backend.model.loader import load_model
     from ragcache_backend.model.sampling import SamplingParams
-    from ragcache_integrations._runtime import default_store
+    from ragcache_integrations import default_store
 
     store = default_store()
     pool = question_pool(store, k=args.k)[: args.requests]

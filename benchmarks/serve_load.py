@@ -76,7 +76,7 @@ def build_trace(clients: int, k: int, seed: int) -> list[dict]:
     """``clients`` chat requests: messages, the documents in them, the question."""
     from ragcache_backend.bench.workload import build_workload, question_pool
     from ragcache_backend.prompts.builder import DEFAULT_SYSTEM_PROMPT
-    from ragcache_integrations._runtime import default_store
+    from ragcache_integrations import default_store
 
     store = default_store()
     pool = question_pool(store, k=k, faq=True, mmlu=0, seed=seed)
