@@ -306,11 +306,12 @@ def ask(
     with _user_errors():
         from ragcache_backend.errors import EmptyQueryError, InvalidRequestError
         from ragcache_backend.model.sampling import SamplingParams
+        from ragcache_backend.prompts.builder import MAX_SALT_CHARS
 
         if not question.strip():
             raise EmptyQueryError("the question is empty")
-        if cache_salt is not None and len(cache_salt) > 256:
-            raise InvalidRequestError("--cache-salt must be at most 256 characters")
+        if cache_salt is not None and len(cache_salt) > MAX_SALT_CHARS:  # before the model loads
+            raise InvalidRequestError(f"--cache-salt must be at most {MAX_SALT_CHARS} characters")
         _precheck(corpus, model)
         config = engine_config(model, dtype, threads, policy, reuse, disk_dir=_disk_dir(cache_dir, no_disk_cache),
                                disk_budget_mib=disk_budget_mib)

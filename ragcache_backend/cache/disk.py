@@ -41,6 +41,7 @@ import queue
 import re
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -221,8 +222,6 @@ class DiskStore:
         Returns None when the file is gone (evicted meanwhile) or fails verification (truncated,
         corrupt, foreign): then it is deleted, logged and counted, and the caller recomputes.
         """
-        import time
-
         t0 = time.perf_counter()
         path = self._file(entry.path_key)
         try:
@@ -322,8 +321,6 @@ class DiskStore:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write is done; False if ``timeout`` seconds passed first."""
-        import time
-
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._lock:
@@ -355,8 +352,6 @@ class DiskStore:
                     self._pending.pop(job.entry.path_key, None)
 
     def _write(self, job: _Job) -> None:
-        import time
-
         t0 = time.perf_counter()
         e = job.entry
         meta = {"format": str(FORMAT), "fingerprint": self.fingerprint, "path_key": e.path_key, "parent": e.parent,

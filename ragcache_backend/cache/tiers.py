@@ -112,6 +112,7 @@ class AcquiredPrefix:
     device_hits: int  # nodes already on device
     host_hits: int  # nodes swapped in from host
     cached_tokens: int
+    disk_hits: int = 0  # nodes read back from the disk tier, then swapped in (not in host_hits)
 
 
 @dataclass(slots=True)
@@ -271,8 +272,7 @@ class TieredCache:
                 f"the request needs {total} device blocks ({total * self.block_size} tokens of KV: prompt "
                 f"+ max_tokens) but the device arena holds only {cap}; raise the device budget or shorten it"
             )
-        match, from_disk = self._match_with_disk([s.key for s in lead])
-        acq = self.acquire(match)
+        acq = self._acquire_with_disk([s.key for s in lead])
         path = list(acq.nodes)
         todo = lead[len(path):]
         need = [blocks_for(s.num_tokens, self.block_size) for s in todo]
@@ -281,10 +281,8 @@ class TieredCache:
             self.release(path)
             return None
         pending = [PendingSegment(s, self.allocate(n)) for s, n in zip(todo, need)]
-        disk_hits = min(from_disk, acq.host_hits)
-        self.stats.host_hits -= disk_hits
         return Lease(path=path, reused=len(path), pending=pending, tail_blocks=self.allocate(tail_need),
-                     device_hits=acq.device_hits, host_hits=acq.host_hits - disk_hits, disk_hits=disk_hits)
+                     device_hits=acq.device_hits, host_hits=acq.host_hits, disk_hits=acq.disk_hits)
 
     def commit(self, lease: Lease, rest_tokens: int) -> None:
         """After a successful prefill: insert the lease's computed segments as tree nodes (their
@@ -413,8 +411,7 @@ class TieredCache:
                 f"the request needs {need} device blocks ({need * self.block_size} tokens of KV: prompt + max_tokens) "
                 f"but the device arena holds only {self._alloc.num_blocks}; raise the device budget or shorten it")
         # KV built over reused chunks is never a prefix for a request that recomputes everything
-        match, from_disk = self._match_with_disk([s.key for s in specs[: max(0, exact_upto)]], approximate=rule.kind != "all")
-        acq = self.acquire(match)
+        acq = self._acquire_with_disk([s.key for s in specs[: max(0, exact_upto)]], approximate=rule.kind != "all")
         prefix, sources = list(acq.nodes), []
         rest = sum(blocks_for(s.num_tokens, self.block_size) for s in specs[len(prefix):]) + blocks_for(tail_tokens, self.block_size)
         try:
@@ -432,14 +429,12 @@ class TieredCache:
             raise
         for piece in pieces:
             piece.blocks = self.allocate(blocks_for(piece.spec.num_tokens, self.block_size))
-        disk_hits = min(from_disk, acq.host_hits)
-        self.stats.host_hits -= disk_hits
-        device_hits, host_hits = acq.device_hits + hits[0], acq.host_hits - disk_hits + hits[1]
+        device_hits, host_hits = acq.device_hits + hits[0], acq.host_hits + hits[1]
         self.stats.device_hits += hits[0]
         self.stats.host_hits += hits[1]
         self.stats.variant_hits += len(sources)
         return ChunkLease(prefix=prefix, pieces=pieces, tail_blocks=self.allocate(blocks_for(tail_tokens, self.block_size)),
-                          sources=sources, device_hits=device_hits, host_hits=host_hits, disk_hits=disk_hits)
+                          sources=sources, device_hits=device_hits, host_hits=host_hits, disk_hits=acq.disk_hits)
 
     def _plan_pieces(self, specs: Sequence[ChunkSpec], prefix: list[Node], start: int, rule: RecomputeRule | None,
                      fresh_above: float, sources: list[Node]) -> tuple[list[ChunkPiece], tuple[int, int]]:
@@ -632,6 +627,17 @@ class TieredCache:
         """Finish the disk tier's queued writes (up to ``timeout`` seconds) and stop its writer."""
         if self._disk is not None:
             self._disk.close(timeout)
+
+    def _acquire_with_disk(self, keys: Sequence[SegmentKey], *, approximate: bool = False) -> AcquiredPrefix:
+        """:meth:`acquire` of :meth:`_match_with_disk`: the nodes read from disk and swapped in count
+        as ``disk_hits``, not ``host_hits`` (in the result and in :attr:`stats`)."""
+        match, from_disk = self._match_with_disk(keys, approximate=approximate)
+        acq = self.acquire(match)
+        disk_hits = min(from_disk, acq.host_hits)
+        acq.host_hits -= disk_hits
+        acq.disk_hits = disk_hits
+        self.stats.host_hits -= disk_hits
+        return acq
 
     def _match_with_disk(self, keys: Sequence[SegmentKey], *, approximate: bool = False) -> tuple[MatchResult, int]:
         """:meth:`match`, continued on the disk tier: each further segment whose file exists is read

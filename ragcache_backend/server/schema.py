@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ragcache_backend.engine.request import GenerationResult
+from ragcache_backend.prompts.builder import MAX_SALT_CHARS  # the longest salt a segment accepts
 
 __all__ = [
     "ChatChoice", "ChatCompletion", "ChatCompletionChunk", "ChatCompletionRequest", "ChatMessage",
@@ -23,8 +24,6 @@ __all__ = [
     "Usage",
 ]
 
-#: Longest accepted ``cache_salt`` (characters), as the engine's segments accept.
-MAX_SALT_CHARS = 256
 
 
 class _Strict(BaseModel):

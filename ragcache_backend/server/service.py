@@ -19,6 +19,7 @@ from ragcache_backend.engine.engine import RAGCacheEngine
 from ragcache_backend.engine.request import GenerationResult, StreamChunk
 from ragcache_backend.errors import ContextWindowError, InvalidRequestError
 from ragcache_backend.model.sampling import SamplingParams
+from ragcache_backend.prompts.builder import MAX_SALT_CHARS
 from ragcache_backend.prompts.recognition import SegmentedPrompt
 from ragcache_backend.server.errors import APIError, from_engine_error
 from ragcache_backend.server.metrics import ServerMetrics, engine_load
@@ -235,8 +236,8 @@ class CompletionService:
         except InvalidRequestError as exc:
             raise APIError(400, str(exc), param="messages" if isinstance(body, ChatCompletionRequest) else "prompt") from None
         salt = body.cache_salt if body.cache_salt is not None else header_salt
-        if salt is not None and len(salt) > 256:
-            raise APIError(400, "cache_salt must be at most 256 characters", param="cache_salt")
+        if salt is not None and len(salt) > MAX_SALT_CHARS:  # the header's salt (the body's is checked by its schema)
+            raise APIError(400, f"cache_salt must be at most {MAX_SALT_CHARS} characters", param="cache_salt")
         return PreparedRequest(endpoint, prompt, self._sampling(body, prompt), reuse, salt or None,
                                bool(body.stream), body.include_usage, arrived)
 
