@@ -42,6 +42,8 @@ class EngineConfig(BaseModel):
     max_batch_tokens: int = Field(4096, ge=1, description="new tokens computed in one forward step")
     reorder: bool = Field(True, description="cache-aware reordering of waiting requests (RAGCache §5.2)")
     reorder_window: int = Field(32, ge=0, description="a waiting request is overtaken by at most this many later ones")
+    max_prefill_bs: int = Field(1, ge=0, description="dynamic speculative pipelining (RAGCache §5.3, Algorithm 2): a speculative request is started only while fewer than this many requests wait for prefill; 1 = only on an idle engine (Theorem 5.1), 0 = never speculate")
+    search_stages: int = Field(4, ge=1, description="stages of a pipelined vector search (ask with pipelined=True); each stage's top-k may start a speculative request")
     system_prompt: str = Field(DEFAULT_SYSTEM_PROMPT, description="system message, the root segment of the knowledge tree")
     profile_path: Path | None = Field(None, description="prefill profile file; None = under ragcache_home()/profiles")
     reuse: Literal["exact", "chunk", "auto"] = Field("exact", description="exact: knowledge-tree prefixes only (answers identical to no cache); chunk: documents from chunk caches at any position (Cache-Craft), the tree for what precedes the first document; auto: the tree's exact prefix first, chunk caches for the rest")

@@ -47,3 +47,8 @@ class UnknownPolicyError(RAGCacheError, ValueError):
 
 class RequestCancelledError(RAGCacheError):
     """The request was cancelled before it finished."""
+
+
+class RetrievalError(RAGCacheError):
+    """The vector search failed or ran past its deadline (a pipelined request fails with it and
+    its speculative work is freed)."""

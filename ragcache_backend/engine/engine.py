@@ -43,7 +43,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +56,7 @@ from ragcache_backend.cache.profile import DEFAULT_ALPHAS, DEFAULT_BETAS, Prefil
 from ragcache_backend.cache.tiers import TieredCache
 from ragcache_backend.config import EngineConfig, ragcache_home
 from ragcache_backend.engine import chunk_step
+from ragcache_backend.engine.pipelining import SpeculativePipeline
 from ragcache_backend.engine.request import (
     FinishReason,
     GenerationResult,
@@ -220,6 +221,7 @@ class RAGCacheEngine:
         self._thread_lock = threading.Lock()
         self._closing = False
         self._queued = 0  # requests in the inbox (cancellations and wake-ups are not counted)
+        self._waiting = 0  # requests waiting for admission, as of the loop's last look
         self._queued_lock = threading.Lock()
 
     # ---- profile -----------------------------------------------------------------------------
@@ -410,12 +412,101 @@ class RAGCacheEngine:
             if not handle.done():  # interrupted while waiting
                 handle.cancel()
 
-    def ask(self, question: str, k: int = 3, sampling: SamplingParams | None = None, **kw) -> GenerationResult:
-        """Retrieve the top-``k`` documents from ``store`` and answer from them."""
+    def ask(self, question: str, k: int = 3, sampling: SamplingParams | None = None, *, pipelined: bool = False,
+            num_stages: int | None = None, **kw) -> GenerationResult:
+        """Retrieve the top-``k`` documents from ``store`` and answer from them.
+
+        ``pipelined``: search in ``num_stages`` stages (default ``config.search_stages``) and
+        speculate on the candidates while searching (:meth:`generate_pipelined`); the answer is the
+        same, the result also reports the search time and its unoverlapped part.
+        """
         if self.store is None:
             raise InvalidRequestError("this engine has no document store; pass store= or use generate()")
+        if pipelined:
+            stages = self.store.search_stages(question, k, num_stages or self.config.search_stages)
+            return self.generate_pipelined(question, ([h.document for h in hits] for hits in stages), sampling, **kw)
+        t0 = time.perf_counter()
         hits = self.store.search(question, k)
-        return self.generate(question, [h.document for h in hits], sampling, **kw)
+        search_s = time.perf_counter() - t0
+        result = self.generate(question, [h.document for h in hits], sampling, **kw)
+        return dataclasses.replace(result, ttft_s=result.ttft_s + search_s, total_s=result.total_s + search_s,
+                                   search_s=search_s, unoverlapped_search_s=search_s)
+
+    # ---- pipelined requests (RAGCache §5.3) ---------------------------------------------------------
+    def speculative_pipeline(
+        self, question: str, sampling: SamplingParams | None = None, *, question_first: bool = False,
+        search_timeout_s: float | None = None, cancel: threading.Event | None = None,
+        max_prefill_bs: int | None = None, **kw,
+    ) -> SpeculativePipeline[DocumentLike]:
+        """A :class:`~ragcache_backend.engine.pipelining.SpeculativePipeline` that answers
+        ``question`` from candidate document lists (Algorithm 2); ``kw`` as :meth:`submit_segments`.
+
+        Raises (at once): EmptyQueryError (blank question), InvalidRequestError (a bad search timeout).
+        """
+        sampling = sampling or SamplingParams()
+        self.prompts.build(question, [])  # a blank question fails here, before any search
+        if search_timeout_s is not None and not search_timeout_s > 0:
+            raise InvalidRequestError(f"search_timeout_s must be > 0, got {search_timeout_s!r}")
+
+        def submit(docs: Sequence[DocumentLike], on_text: Callable[[str], None]) -> RequestHandle:
+            return self.submit(question, docs, sampling, question_first=question_first, on_text=on_text, **kw)
+
+        return SpeculativePipeline(
+            self, submit, key=lambda d: _doc_text_id(d)[1],
+            max_prefill_bs=self.config.max_prefill_bs if max_prefill_bs is None else max_prefill_bs,
+            deadline_s=None if search_timeout_s is None else time.perf_counter() + search_timeout_s,
+            cancel=cancel or threading.Event(),
+        )
+
+    def generate_pipelined(self, question: str, candidates: Iterable[Sequence[DocumentLike]],
+                           sampling: SamplingParams | None = None, *, on_text: Callable[[str], None] | None = None,
+                           **kw) -> GenerationResult:
+        """Answer ``question`` while its vector search runs (RAGCache §5.3, Algorithm 2).
+
+        Args:
+            question: the user question.
+            candidates: the current top-k after each stage of a staged search (e.g.
+                ``[h.document for h in hits] for hits in store.search_stages(q, k, 4)``); the last
+                list is the search's result. Consumed on the calling thread.
+            sampling: as :meth:`generate`.
+            on_text: text deltas of the answer, only once its documents are final.
+            kw: ``question_first``, ``search_timeout_s`` (seconds), ``cancel`` (an event),
+                ``max_prefill_bs`` (override ``config.max_prefill_bs``), and :meth:`submit_segments`'s.
+
+        Returns:
+            the answer for the final documents, identical to ``generate(question, final)``; its
+            ``ttft_s``/``total_s`` count from the start of the search, and ``search_s``,
+            ``unoverlapped_search_s``, ``speculative_requests``, ``wasted_tokens`` and
+            ``speculation_kept`` say what the pipelining did.
+
+        Raises:
+            RetrievalError: the search failed or timed out (speculative work freed).
+            RequestCancelledError, EmptyQueryError, ContextWindowError, as :meth:`generate`.
+        """
+        return self.speculative_pipeline(question, sampling, **kw).run(candidates, on_text)
+
+    def stream_pipelined(self, question: str, candidates: Iterable[Sequence[DocumentLike]],
+                         sampling: SamplingParams | None = None, **kw) -> Iterator[StreamChunk]:
+        """Streaming :meth:`generate_pipelined`: text deltas once the documents are final, the last
+        chunk carrying the result. Closing the iterator early cancels the request and frees its
+        speculative work."""
+        for item in self.speculative_pipeline(question, sampling, **kw).stream(candidates):
+            yield StreamChunk(item) if isinstance(item, str) else StreamChunk("", item)
+
+    async def agenerate_pipelined(self, question: str, candidates: Iterable[Sequence[DocumentLike]],
+                                  sampling: SamplingParams | None = None, **kw) -> GenerationResult:
+        """Async :meth:`generate_pipelined`: the search runs on a worker thread; cancelling the task
+        cancels the request (between stages) and frees its speculative work."""
+        cancel = threading.Event()
+        pipeline = self.speculative_pipeline(question, sampling, cancel=cancel, **kw)
+        task = asyncio.ensure_future(asyncio.to_thread(pipeline.run, candidates))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancel.set()
+            with contextlib.suppress(BaseException):
+                await task
+            raise
 
     def stream(self, question: str, documents: Sequence[DocumentLike] = (), sampling: SamplingParams | None = None,
                **kw) -> Iterator[StreamChunk]:
@@ -523,6 +614,11 @@ class RAGCacheEngine:
         return tuple(self._live)
 
     @property
+    def waiting_requests(self) -> int:
+        """Requests submitted and not yet admitted for prefill (the pool of RAGCache Algorithm 2)."""
+        return self._waiting + self._queued
+
+    @property
     def in_flight(self) -> int:
         """Requests submitted and not yet finished."""
         return len(self._live) + self._queued
@@ -616,6 +712,7 @@ class RAGCacheEngine:
                     self._queued -= 1
                 self._live[item.rid] = item
                 self.scheduler.add(item.rid, 0, item.prompt_tokens)
+                self._waiting = self.scheduler.waiting
             elif isinstance(item, int):
                 req = self._live.get(item)
                 if req is not None:
@@ -646,6 +743,7 @@ class RAGCacheEngine:
                     admitted.append(req)
                 elif rid in self._live:  # no room now: waits for running requests' blocks
                     break
+            self._waiting = self.scheduler.waiting
             share = plan_s / max(1, len(admitted) + len(decoders))
             for req in admitted + decoders:
                 req.handle.metrics.sched_s += share
@@ -767,7 +865,7 @@ class RAGCacheEngine:
             if isinstance(req.lease, ChunkLease):
                 logits = self._commit_chunks(req, out, index)
             else:
-                req.computed = req.lease.pending_tokens + req.rest_tokens
+                req.computed = m.computed_tokens = req.lease.pending_tokens + req.rest_tokens
                 self.cache.commit(req.lease, req.rest_tokens)
             self._charge(m, t0, c0)
             if req.keep_logits:
@@ -800,6 +898,7 @@ class RAGCacheEngine:
         req.chunk_cached = (lease.approximate_prefix_tokens - req.recomputed
                             + sum(p.spec.num_tokens for p in lease.pieces if p.use is not None))
         req.computed = req.prompt_tokens - (lease.cached_tokens - lease.approximate_prefix_tokens) - req.chunk_cached
+        req.handle.metrics.computed_tokens = req.computed
         if req.store:
             self.cache.commit_chunks(lease, req.rest_tokens, chunk_step.variant_stats(lease, layout, attention))
         return logits
@@ -833,6 +932,7 @@ class RAGCacheEngine:
                 on_text(tail)
             return "stop"
         req.generated.append(token)
+        req.handle.metrics.generated_tokens = len(req.generated)
         delta = text.push(token)
         if delta:
             on_text(delta)
@@ -873,6 +973,7 @@ class RAGCacheEngine:
     def _forget(self, req: Request) -> None:
         self._live.pop(req.rid, None)
         self.scheduler.remove(req.rid)
+        self._waiting = self.scheduler.waiting
 
     def _may_retry(self, req: Request, exc: BaseException) -> bool:
         """RAGCache §6: a request that failed before its first token (a forward or KV-copy error,

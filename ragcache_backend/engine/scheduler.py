@@ -18,6 +18,13 @@ tokens of the step (one per decode plus each prefill's computed tokens) stay wit
 ``max_batch_tokens``. A prompt larger than the whole token budget is admitted only into a step
 with no other prefill, so it cannot starve (the one case where a step exceeds the budget).
 Admission stops at the first request that does not fit, so the order above is respected.
+
+**Speculation (RAGCache §5.3, Algorithm 2).** :func:`decide_speculation` says, from plain counts,
+what a pipelined request does when its vector search produces a new stage: when the candidate
+top-k changed, the stale speculative request is terminated (after its current step) and a new one
+is started only while fewer than ``max_prefill_bs`` requests wait for prefill, so speculation uses
+idle capacity and never adds load to a busy engine (Theorem 5.1). :meth:`Scheduler.waiting` is
+that pool size.
 """
 
 from __future__ import annotations
@@ -58,6 +65,39 @@ class SchedulerConfig:
 def order_priority(cached_tokens: int, compute_tokens: int) -> float:
     """RAGCache §5.2: ``cached_length / computation_length`` (computation counted as >= 1 token)."""
     return cached_tokens / max(1, compute_tokens)
+
+
+@dataclass(slots=True, frozen=True)
+class SpeculationDecision:
+    """What a pipelined request does after a search stage (RAGCache Algorithm 2, lines 6-10).
+
+    Attributes:
+        terminate: stop the request's current speculative generation after its current step
+            (its blocks are freed; what its prefill committed stays in the tree, exact KV).
+        start: start a speculative generation for the stage's candidate top-k.
+    """
+
+    terminate: bool
+    start: bool
+
+
+def decide_speculation(*, changed: bool, speculating: bool, waiting: int, max_prefill_bs: int) -> SpeculationDecision:
+    """RAGCache Algorithm 2 for one search stage, as a pure function of plain data.
+
+    Args:
+        changed: the stage's top-k (ids, in order) differs from the previous stage's.
+        speculating: the request has a speculative generation in the engine now.
+        waiting: requests waiting for prefill in the engine (the pool), the stale speculative
+            request excluded.
+        max_prefill_bs: the pool size below which a speculative generation may start (>= 0).
+
+    Returns:
+        terminate the stale generation when the candidates changed; start a new one when they
+        changed and ``waiting < max_prefill_bs``.
+    """
+    if not changed:
+        return SpeculationDecision(terminate=False, start=False)
+    return SpeculationDecision(terminate=speculating, start=waiting < max_prefill_bs)
 
 
 @dataclass(slots=True)
@@ -118,6 +158,11 @@ class Scheduler:
 
     def __len__(self) -> int:
         return len(self._pending) + len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for admission (the pool of Algorithm 2)."""
+        return len(self._pending)
 
     def entry(self, rid: int) -> PendingRequest:
         return self._pending[rid]
