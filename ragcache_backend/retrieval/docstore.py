@@ -1,10 +1,13 @@
 """Document store: documents plus a Faiss index over their embeddings, persisted with checksums.
 
 Retrieval for RAGCache (SPEC §2 "Retrieval"): inner product on L2-normalised vectors (cosine),
-``IndexFlatIP`` for small corpora and ``IndexIVFFlat`` (nlist ~ 4 sqrt(n)) for large ones.
+``IndexFlatIP`` for small corpora and ``IndexIVFFlat`` (nlist ~ 4 sqrt(n)) for large ones, or a
+sharded HNSW (:class:`~ragcache_backend.retrieval.hnsw.ShardedHNSW`) on request.
 :meth:`DocumentStore.search_stages` is the pipelined vector search of RAGCache §5.3 (dynamic
 speculative pipelining): the search runs in stages and yields the current top-k after each, the
-last stage equal to a plain :meth:`DocumentStore.search`.
+last stage equal to a plain :meth:`DocumentStore.search` (:meth:`DocumentStore.asearch_stages`
+is its async form). Every search passes its own parameters (nprobe, efSearch) to Faiss; no search
+changes a shared index's settings.
 
 On disk a store is a folder of ``documents.jsonl``, ``index.faiss`` (Faiss' own format, never
 pickle) and ``manifest.json`` with the sha256 of both, written and verified by
@@ -13,13 +16,14 @@ pickle) and ``manifest.json`` with the sha256 of both, written and verified by
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import hashlib
 import logging
 import math
 import os
 import threading
-from collections.abc import Container, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +33,7 @@ import numpy as np
 from ragcache_backend.retrieval.docstore_io import MANIFEST, read_store, write_store
 from ragcache_backend.retrieval.documents import CHUNKER_VERSION, Document, corpus_files, load_corpus
 from ragcache_backend.retrieval.embedder import DEFAULT_EMBEDDER_NAME, Embedder
+from ragcache_backend.retrieval.hnsw import ShardedHNSW
 from ragcache_backend.errors import CorpusError, CorruptFileError, EmptyQueryError, InvalidRequestError
 
 __all__ = ["DocumentStore", "IndexKind", "ScoredDocument", "build_index", "corpus_fingerprint",
@@ -41,10 +46,11 @@ _TIE_MARGIN = 8  # extra candidates fetched so that score ties at rank k break t
 
 
 class IndexKind(str, enum.Enum):
-    """Faiss index type: exact ``IndexFlatIP`` or approximate ``IndexIVFFlat``."""
+    """Faiss index type: exact ``IndexFlatIP``, approximate ``IndexIVFFlat`` or sharded HNSW."""
 
     FLAT = "flat"
     IVF = "ivf"
+    HNSW = "hnsw"
 
 
 @dataclass(slots=True, frozen=True)
@@ -62,7 +68,7 @@ class DocumentStore:
     several threads; :meth:`add_documents` is serialised with searches by a lock.
     """
 
-    def __init__(self, documents: Sequence[Document], index: faiss.Index, embedder: Embedder, *,
+    def __init__(self, documents: Sequence[Document], index: faiss.Index | ShardedHNSW, embedder: Embedder, *,
                  nprobe: int | None = None, corpus_fingerprint: str | None = None) -> None:
         if index.ntotal != len(documents):
             raise InvalidRequestError(f"index holds {index.ntotal} vectors for {len(documents)} documents")
@@ -70,28 +76,50 @@ class DocumentStore:
         self._positions = {doc.doc_id: i for i, doc in enumerate(self._documents)}
         self._index = index
         self._embedder = embedder
-        self._kind = IndexKind.IVF if isinstance(index, faiss.IndexIVF) else IndexKind.FLAT
+        self._kind = (IndexKind.HNSW if isinstance(index, ShardedHNSW)
+                      else IndexKind.IVF if isinstance(index, faiss.IndexIVF) else IndexKind.FLAT)
         self._nprobe: int | None = None
         if self._kind is IndexKind.IVF:
-            self._nprobe = index.nprobe = min(index.nlist, nprobe or index.nprobe)
+            self._nprobe = min(index.nlist, nprobe or index.nprobe)
         self.corpus_fingerprint = corpus_fingerprint
         self._lock = threading.RLock()
 
     @classmethod
     def build(cls, documents: Sequence[Document], embedder: Embedder, *, progress: bool = True,
-              ivf_min_docs: int = 4096, nprobe: int | None = None) -> DocumentStore:
+              ivf_min_docs: int = 4096, nprobe: int | None = None, kind: IndexKind | str | None = None,
+              vectors: np.ndarray | None = None, hnsw_shards: int = 8, ef_search: int = 64) -> DocumentStore:
         """Embed ``documents`` (duplicates by id dropped) and index them.
 
-        Below ``ivf_min_docs`` documents the index is exact (``IndexFlatIP``); otherwise an
-        ``IndexIVFFlat`` with nlist = round(4 sqrt(n)) lists, trained on the vectors, searched
-        with ``nprobe`` lists (default ceil(nlist / 8)). Raises CorpusError for no documents.
+        ``kind`` None: below ``ivf_min_docs`` documents the index is exact (``IndexFlatIP``);
+        otherwise an ``IndexIVFFlat`` with nlist = round(4 sqrt(n)) lists, trained on the vectors,
+        searched with ``nprobe`` lists (default ceil(nlist / 8)). ``kind`` "flat", "ivf" or "hnsw"
+        forces one (HNSW: ``hnsw_shards`` graphs searched with ``ef_search``, see
+        :class:`~ragcache_backend.retrieval.hnsw.ShardedHNSW`). ``vectors``: float32 ``[n, dim]``
+        L2-normalised embeddings of ``documents`` already computed with ``embedder`` (no
+        duplicates then), e.g. by a benchmark that caches them.
+
+        Raises CorpusError for no documents, InvalidRequestError for an unknown kind or vectors
+        of the wrong shape.
         """
         unique = _unique(documents, {})
         if not unique:
             raise CorpusError("no documents to index")
-        vectors = _embed_all(embedder, [doc.text for doc in unique], progress)
+        try:
+            kind = IndexKind(kind) if kind is not None else None
+        except ValueError:
+            raise InvalidRequestError(f"index kind must be flat, ivf or hnsw, got {kind!r}") from None
+        if vectors is None:
+            vectors = _embed_all(embedder, [doc.text for doc in unique], progress)
+        elif vectors.shape[0] != len(unique) or len(unique) != len(documents):
+            raise InvalidRequestError(f"{vectors.shape[0]} vectors for {len(documents)} documents "
+                                      f"({len(unique)} distinct); pass one vector per distinct document")
+        vectors = np.ascontiguousarray(vectors, dtype=np.float32)
         n, dim = vectors.shape
-        if n < max(ivf_min_docs, 2):
+        if kind is None:
+            kind = IndexKind.FLAT if n < max(ivf_min_docs, 2) else IndexKind.IVF
+        if kind is IndexKind.HNSW:
+            return cls(unique, ShardedHNSW.build(vectors, num_shards=hnsw_shards, ef_search=ef_search), embedder)
+        if kind is IndexKind.FLAT:
             index: faiss.Index = faiss.IndexFlatIP(dim)
             nprobe = None
         else:
@@ -100,6 +128,7 @@ class DocumentStore:
             index.cp.min_points_per_centroid = 1  # small corpora: no "too few points" warning
             index.train(vectors)
             nprobe = min(nlist, nprobe or math.ceil(nlist / 8))
+            index.nprobe = nprobe
         index.add(vectors)
         return cls(unique, index, embedder, nprobe=nprobe)
 
@@ -128,8 +157,29 @@ class DocumentStore:
 
     @property
     def nprobe(self) -> int | None:
-        """IVF lists probed per search; None for a flat (exact) index."""
+        """IVF lists probed per search; None for a flat (exact) or HNSW index."""
         return self._nprobe
+
+    @property
+    def nlist(self) -> int | None:
+        """IVF lists in the index; None for a flat or HNSW index."""
+        return int(self._index.nlist) if self._kind is IndexKind.IVF else None
+
+    def with_nprobe(self, nprobe: int) -> DocumentStore:
+        """A store sharing this one's documents and index, searching ``nprobe`` IVF lists (a share
+        of the index, as RAGCache Table 3 varies it). The shared index is not changed.
+
+        Raises InvalidRequestError for a non-IVF store or ``nprobe`` outside ``1..nlist``.
+        """
+        if self._kind is not IndexKind.IVF:
+            raise InvalidRequestError("only an IVF store has nprobe")
+        if isinstance(nprobe, bool) or not isinstance(nprobe, int) or not 1 <= nprobe <= self._index.nlist:
+            raise InvalidRequestError(f"nprobe must be an integer in 1..{self._index.nlist}, got {nprobe!r}")
+        other = DocumentStore.__new__(DocumentStore)
+        other._documents, other._positions, other._index = self._documents, self._positions, self._index
+        other._embedder, other._kind, other._nprobe = self._embedder, self._kind, nprobe
+        other.corpus_fingerprint, other._lock = self.corpus_fingerprint, self._lock
+        return other
 
     # -- search ------------------------------------------------------------------------------
     def search(self, query: str, k: int) -> list[ScoredDocument]:
@@ -143,27 +193,41 @@ class DocumentStore:
     def search_vector(self, vector: np.ndarray, k: int) -> list[ScoredDocument]:
         """Like :meth:`search` for a query vector, float32 [dim], L2-normalised."""
         k = self._check_k(k)
+        query, keep = _as_query(vector, self._index.d), k + _TIE_MARGIN
         with self._lock:
-            scores, ids = self._index.search(_as_query(vector, self._index.d), k + _TIE_MARGIN)
-        return self._top(_merge(_EMPTY, scores[0], ids[0], k + _TIE_MARGIN), k)
+            if self._kind is IndexKind.HNSW:
+                scores, ids = self._index.search_shards(query, keep, range(self._index.num_shards))
+                return self._top(_merge(_EMPTY, scores, ids, keep), k)
+            params = faiss.SearchParametersIVF(nprobe=self._nprobe) if self._kind is IndexKind.IVF else None
+            scores, ids = self._index.search(query, keep, params=params)
+        return self._top(_merge(_EMPTY, scores[0], ids[0], keep), k)
 
     def search_stages(self, query: str, k: int, num_stages: int) -> Iterator[list[ScoredDocument]]:
         """Pipelined search (RAGCache §5.3): yield the current top-k after each stage.
 
         IVF: the nprobe lists from one coarse-quantizer search are scanned in ``num_stages``
-        consecutive slices (``search_preassigned``); flat: the ids are scanned in ``num_stages``
-        ranges. Yields ``min(num_stages, nprobe)`` (IVF) or ``min(num_stages, len(self))`` (flat)
-        lists; the last equals ``search(query, k)`` (ids, order and scores). Raises
-        InvalidRequestError (k < 1 or num_stages < 1) and EmptyQueryError when called.
+        consecutive slices (``search_preassigned``); HNSW: the shards in ``num_stages`` groups;
+        flat: the ids in ``num_stages`` ranges. Yields ``min(num_stages, nprobe)`` (IVF),
+        ``min(num_stages, shards)`` (HNSW) or ``min(num_stages, len(self))`` (flat) lists; the
+        last equals ``search(query, k)`` (ids, order and scores), and the stages together cost
+        about one plain search. Raises InvalidRequestError (k < 1 or num_stages < 1) and
+        EmptyQueryError when called.
         """
         if num_stages < 1:
             raise InvalidRequestError(f"num_stages must be >= 1, got {num_stages}")
-        query_vector = _as_query(self._embed_query(query, k), self._index.d)
-        return self._stages(query_vector, self._check_k(k), num_stages)
+        return self.search_vector_stages(self._embed_query(query, k), k, num_stages)
+
+    def search_vector_stages(self, vector: np.ndarray, k: int, num_stages: int) -> Iterator[list[ScoredDocument]]:
+        """Like :meth:`search_stages` for a query vector (float32 [dim], L2-normalised); the last
+        stage equals :meth:`search_vector`."""
+        if num_stages < 1:
+            raise InvalidRequestError(f"num_stages must be >= 1, got {num_stages}")
+        return self._stages(_as_query(vector, self._index.d), self._check_k(k), num_stages)
 
     def _stages(self, query: np.ndarray, k: int, num_stages: int) -> Iterator[list[ScoredDocument]]:
         keep, best = k + _TIE_MARGIN, _EMPTY
         if self._kind is IndexKind.IVF:
+            params = faiss.SearchParametersIVF(nprobe=self._nprobe)
             with self._lock:
                 list_scores, lists = self._index.quantizer.search(query, self._nprobe)
             for part in np.array_split(np.arange(self._nprobe), min(num_stages, self._nprobe)):
@@ -171,8 +235,16 @@ class DocumentStore:
                 stage_lists = np.full_like(lists, -1)
                 stage_lists[0, part] = lists[0, part]
                 with self._lock:
-                    scores, ids = self._index.search_preassigned(query, keep, stage_lists, list_scores)
+                    scores, ids = _search_preassigned(self._index, query, keep, stage_lists, list_scores, params)
                 best = _merge(best, scores[0], ids[0], keep)
+                yield self._top(best, k)
+            return
+        if self._kind is IndexKind.HNSW:
+            shards = np.arange(self._index.num_shards)
+            for part in np.array_split(shards, min(num_stages, len(shards))):
+                with self._lock:
+                    scores, ids = self._index.search_shards(query, keep, part.tolist())
+                best = _merge(best, scores, ids, keep)
                 yield self._top(best, k)
             return
         for part in np.array_split(np.arange(len(self)), min(num_stages, len(self))):
@@ -181,6 +253,14 @@ class DocumentStore:
                 scores, ids = self._index.search(query, keep, params=faiss.SearchParameters(sel=selector))
             best = _merge(best, scores[0], ids[0], keep)
             yield self._top(best, k)
+
+    async def asearch_stages(self, query: str, k: int, num_stages: int) -> AsyncIterator[list[ScoredDocument]]:
+        """Async :meth:`search_stages`: each stage (and the query's embedding) runs on a worker
+        thread, so an event loop keeps serving while the search runs. Same results and errors."""
+        stages = await asyncio.to_thread(self.search_stages, query, k, num_stages)
+        done = object()
+        while (hits := await asyncio.to_thread(next, stages, done)) is not done:
+            yield hits
 
     def _embed_query(self, query: str, k: int) -> np.ndarray:
         self._check_k(k)
@@ -224,10 +304,15 @@ class DocumentStore:
         if corpus_fingerprint is not None:
             self.corpus_fingerprint = corpus_fingerprint
         with self._lock:
-            documents, index_bytes = list(self._documents), faiss.serialize_index(self._index).tobytes()
+            documents = list(self._documents)
             fields = {"embedder": self._embedder.name, "dim": int(self._index.d), "count": len(documents),
                       "index_kind": self._kind.value, "nprobe": self._nprobe,
                       "corpus_fingerprint": self.corpus_fingerprint}
+            if self._kind is IndexKind.HNSW:
+                index_bytes, fields["hnsw_shards"] = self._index.to_bytes()
+                fields["ef_search"] = self._index.ef_search
+            else:
+                index_bytes = faiss.serialize_index(self._index).tobytes()
         write_store(directory, documents, index_bytes, fields)
 
     @classmethod
@@ -273,6 +358,22 @@ def _merge(best: tuple[np.ndarray, np.ndarray], scores: np.ndarray, ids: np.ndar
     all_scores, all_ids = all_scores[found], all_ids[found]
     order = np.lexsort((all_ids, -all_scores))[:keep]
     return all_scores[order], all_ids[order]
+
+
+def _search_preassigned(index: faiss.IndexIVF, query: np.ndarray, k: int, lists: np.ndarray, list_scores: np.ndarray,
+                        params: faiss.SearchParametersIVF) -> tuple[np.ndarray, np.ndarray]:
+    """``IndexIVF::search_preassigned`` with ``params`` (its nprobe is the width of ``lists``).
+
+    Faiss' Python wrapper refuses ``params`` here and would use the index's own ``nprobe``; the
+    C++ method it wraps (``search_preassigned_c``) takes them, so the shared index is never changed.
+    """
+    scores = np.empty((1, k), dtype=np.float32)
+    ids = np.empty((1, k), dtype=np.int64)
+    lists = np.ascontiguousarray(lists, dtype=np.int64)
+    list_scores = np.ascontiguousarray(list_scores, dtype=np.float32)
+    index.search_preassigned_c(1, faiss.swig_ptr(query), k, faiss.swig_ptr(lists), faiss.swig_ptr(list_scores),
+                               faiss.swig_ptr(scores), faiss.swig_ptr(ids), False, params)
+    return scores, ids
 
 
 def _as_query(vector: np.ndarray, dim: int) -> np.ndarray:

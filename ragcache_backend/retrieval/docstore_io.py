@@ -1,7 +1,8 @@
 """On-disk format of a document store: checksummed files, written atomically, verified on read.
 
 A store folder holds ``documents.jsonl`` (one JSON object per document: ``doc_id``, ``text``,
-``source``, ``title``), ``index.faiss`` (Faiss' own serialisation, never pickle) and
+``source``, ``title``), ``index.faiss`` (Faiss' own serialisation, never pickle; for a sharded
+HNSW index the shards' serialisations concatenated, sizes in the manifest) and
 ``manifest.json`` (format, embedder, dimensions, index kind, corpus fingerprint, and the sha256 and
 size of both files). Every file is written to a temporary name, fsynced and renamed, so a crash
 never leaves a half-written file under the real name. Reading checks the schema, sizes, checksums,
@@ -21,6 +22,7 @@ import faiss
 import numpy as np
 
 from ragcache_backend.retrieval.documents import Document, content_id
+from ragcache_backend.retrieval.hnsw import ShardedHNSW
 from ragcache_backend.errors import CorruptFileError
 
 __all__ = ["DOCUMENTS", "FORMAT", "FORMAT_VERSION", "INDEX", "MANIFEST", "read_store", "write_store"]
@@ -99,8 +101,12 @@ def _read_manifest(path: Path) -> dict:
         "embedder": isinstance(m("embedder"), str),
         "dim": _is_int(m("dim")) and m("dim") >= 1,
         "count": _is_int(m("count")) and m("count") >= 1,
-        "index_kind": m("index_kind") in {"flat", "ivf"},
-        "nprobe": m("nprobe") is None if m("index_kind") == "flat" else _is_int(m("nprobe")) and m("nprobe") >= 1,
+        "index_kind": m("index_kind") in {"flat", "ivf", "hnsw"},
+        "nprobe": _is_int(m("nprobe")) and m("nprobe") >= 1 if m("index_kind") == "ivf" else m("nprobe") is None,
+        "hnsw_shards": m("index_kind") != "hnsw" or (
+            isinstance(m("hnsw_shards"), list) and bool(m("hnsw_shards"))
+            and all(_is_int(x) and x > 0 for x in m("hnsw_shards"))),
+        "ef_search": m("index_kind") != "hnsw" or (_is_int(m("ef_search")) and m("ef_search") >= 1),
         "corpus_fingerprint": m("corpus_fingerprint") is None or isinstance(m("corpus_fingerprint"), str),
         "files": isinstance(files, dict) and all(
             isinstance(files.get(name), dict) and isinstance(files[name].get("sha256"), str)
@@ -146,8 +152,17 @@ def _parse_documents(path: Path, manifest: dict) -> list[Document]:
     return documents
 
 
-def _parse_index(path: Path, manifest: dict) -> faiss.Index:
+def _parse_index(path: Path, manifest: dict) -> faiss.Index | ShardedHNSW:
     data = _read_checked(path, manifest)
+    if manifest["index_kind"] == "hnsw":
+        try:
+            index = ShardedHNSW.from_bytes(data, manifest["hnsw_shards"], manifest["ef_search"])
+        except (RuntimeError, ValueError) as exc:
+            raise CorruptFileError(f"{path}: not a readable sharded HNSW index: {str(exc)[:200]}") from exc
+        if (index.ntotal, index.d) != (manifest["count"], manifest["dim"]):
+            raise CorruptFileError(f"{path}: HNSW of {index.ntotal} x {index.d} does not match the manifest "
+                                   f"({manifest['count']} x {manifest['dim']})")
+        return index
     try:
         index = faiss.deserialize_index(np.frombuffer(data, dtype=np.uint8))
     except RuntimeError as exc:
