@@ -19,7 +19,8 @@ from ragcache_backend.model.loader import DEFAULT_MODEL_NAME
 from ragcache_backend.prompts.builder import Segment
 from ragcache_backend.prompts.recognition import ChatTurn, DocumentRecognizer, PromptSegmenter, SegmentedPrompt
 from ragcache_backend.model.sampling import SamplingParams
-from ragcache_integrations._runtime import Generation, default_engine, segmenter
+from ragcache_integrations._runtime import Generation, default_engine, known_documents, segmenter
+from ragcache_integrations._speculation import speculation_board
 
 __all__ = ["CALL_OVERRIDES", "CompletionParams", "RAGCacheParams"]
 
@@ -83,6 +84,23 @@ class RAGCacheParams(BaseModel):
         engine = self.resolved_engine()
         mode = (overrides or {}).get("reuse", self.reuse) or engine.config.reuse
         return segmenter(engine, self.recognizer, documents_alone=mode != "exact")
+
+    def chat_generation(self, turns: Sequence[ChatTurn], stop: Sequence[str] | None = None,
+                        overrides: Mapping[str, Any] | None = None) -> Generation:
+        """A ready request for chat ``turns`` (see :meth:`generation`).
+
+        When the turns hold the documents one of our retrievers just returned and the query it
+        searched for, their shape is learned, so that retriever's next search can speculate on
+        this prompt with its candidates (:mod:`ragcache_integrations._speculation`).
+        """
+        over = dict(overrides or {})
+
+        def make(chat: Sequence[ChatTurn]) -> Generation:
+            return self.generation(self.prompt_segmenter(over).chat(chat).segments, stop, over)
+
+        generation = make(turns)
+        speculation_board().learn(turns, self.recognizer or known_documents(), make, generation.engine)
+        return generation
 
     def generation(self, segments: Sequence[Segment], stop: Sequence[str] | None = None,
                    overrides: Mapping[str, Any] | None = None) -> Generation:

@@ -9,6 +9,8 @@
 * :class:`Generation`: one request (segments + sampling) run on an engine with a ``timeout`` and
   ``max_retries`` (tenacity), blocking, streaming, or async. Only transient errors are retried
   (:data:`TRANSIENT_ERRORS`), never a typed input error, and a stream only before its first chunk.
+  A generation takes over a speculative generation of exactly the same request that one of our
+  retrievers posted while its search ran (:mod:`ragcache_integrations._speculation`).
 """
 
 from __future__ import annotations
@@ -26,10 +28,13 @@ from tenacity import AsyncRetrying, Retrying, retry_if_exception, stop_after_att
 from ragcache_backend.config import EngineConfig
 from ragcache_backend.retrieval.docstore import DocumentStore, build_index
 from ragcache_backend.engine.engine import GenerationResult, RAGCacheEngine, StreamChunk
+from ragcache_backend.engine.pipelining import SpeculationOutcome
+from ragcache_backend.engine.request import RequestHandle
 from ragcache_backend.errors import InvalidRequestError, RAGCacheError, RequestCancelledError
 from ragcache_backend.prompts.builder import Segment
 from ragcache_backend.prompts.recognition import DocumentRecognizer, PromptSegmenter
 from ragcache_backend.model.sampling import SamplingParams
+from ragcache_integrations._speculation import speculation_board
 
 __all__ = ["GenerationTimeoutError", "TRANSIENT_ERRORS", "UnsupportedContentError", "Generation",
            "default_engine", "default_store", "known_documents", "segmenter"]
@@ -142,6 +147,16 @@ class Generation:
     max_retries: int = 0
     reuse: str | None = None
 
+    def request_key(self) -> tuple:
+        """What makes two generations the same request (engine, prompt tokens, sampling, cache
+        settings): a speculative generation posted under this key answers exactly like this one."""
+        return (id(self.engine), self.segments, self.sampling, self.use_cache, self.reuse)
+
+    def submit(self, on_text: Callable[[str], None]) -> RequestHandle:
+        """Queue this generation once on the engine (no timeout, no retry): for speculation."""
+        return self.engine.submit_segments(self.segments, self.sampling, use_cache=self.use_cache,
+                                           on_text=on_text, reuse=self.reuse)
+
     def _retry_kwargs(self, may_retry: Callable[[], bool] = lambda: True) -> dict:
         return dict(
             stop=stop_after_attempt(self.max_retries + 1),
@@ -152,7 +167,14 @@ class Generation:
 
     def run(self, on_text: Callable[[str], None] | None = None,
             cancel: threading.Event | None = None) -> GenerationResult:
-        """Generate to the end; a transient error is retried unless text was already emitted."""
+        """Generate to the end; a transient error is retried unless text was already emitted.
+
+        A speculative generation of exactly this request, posted by one of our retrievers, is
+        taken instead of starting a new one (:mod:`ragcache_integrations._speculation`).
+        """
+        taken = speculation_board().take(self.request_key())
+        if taken is not None:
+            return taken.finish(on_text, cancel)
         emitted = threading.Event()
 
         def emit(text: str) -> None:
@@ -185,6 +207,14 @@ class Generation:
     async def arun(self) -> GenerationResult:
         """Async :meth:`run` on the engine's step loop: concurrent calls (a LangChain ``abatch``,
         ``asyncio.gather``) share forward steps. Cancelling the task cancels the request."""
+        taken = speculation_board().take(self.request_key())
+        if taken is not None:
+            cancel = threading.Event()
+            try:
+                return await asyncio.shield(asyncio.to_thread(taken.finish, None, cancel))
+            except asyncio.CancelledError:
+                cancel.set()  # the worker thread cancels and frees the generation
+                raise
         async for attempt in AsyncRetrying(**self._retry_kwargs()):
             with attempt:
                 call = self.engine.agenerate_segments(self.segments, self.sampling, use_cache=self.use_cache,
@@ -197,6 +227,11 @@ class Generation:
 
     def stream(self) -> Iterator[StreamChunk]:
         """Text deltas as they are generated; the last chunk carries the result."""
+        taken = speculation_board().take(self.request_key())
+        if taken is not None:
+            for item in taken.chunks():
+                yield StreamChunk(item) if isinstance(item, str) else StreamChunk("", item)
+            return
         for attempt in Retrying(**self._retry_kwargs()):
             with attempt:
                 deadline = time.monotonic() + self.timeout if self.timeout else None
@@ -212,6 +247,11 @@ class Generation:
 
     async def astream(self) -> AsyncIterator[StreamChunk]:
         """Async :meth:`stream`."""
+        taken = speculation_board().take(self.request_key())
+        if taken is not None:
+            async for chunk in _astream_taken(taken):
+                yield chunk
+            return
         async for attempt in AsyncRetrying(**self._retry_kwargs()):
             with attempt:
                 deadline = time.monotonic() + self.timeout if self.timeout else None
@@ -236,3 +276,20 @@ class Generation:
             await chunks.aclose()
             raise GenerationTimeoutError(f"generation exceeded the timeout of {self.timeout} s")
         return chunk
+
+
+async def _astream_taken(taken: SpeculationOutcome) -> AsyncIterator[StreamChunk]:
+    """A posted speculative generation as an async stream of chunks (held text first)."""
+    loop = asyncio.get_running_loop()
+    out: asyncio.Queue = asyncio.Queue()
+    opened = time.perf_counter()
+    taken.gate.open(lambda text: loop.call_soon_threadsafe(out.put_nowait, text))
+    taken.handle.future.add_done_callback(lambda _f: loop.call_soon_threadsafe(out.put_nowait, None))
+    try:
+        while (text := await out.get()) is not None:
+            yield StreamChunk(text)
+        result = taken.handle.result()
+    except BaseException:
+        await asyncio.to_thread(taken.discard)
+        raise
+    yield StreamChunk("", taken.report(result, opened))

@@ -76,7 +76,8 @@ def usage_metadata(result: GenerationResult) -> UsageMetadata:
 
 def response_metadata(result: GenerationResult, model_name: str) -> dict[str, Any]:
     """Model name, finish reason, latency and what the cache served (``chunk_*``: the approximate
-    part served from chunk caches, see :class:`~ragcache_backend.engine.request.GenerationResult`)."""
+    part served from chunk caches; ``speculation_kept`` and the search figures: the answer was
+    generated while our retriever searched, see :class:`~ragcache_backend.engine.request.GenerationResult`)."""
     return {
         "model_name": model_name,
         "finish_reason": result.finish_reason,
@@ -88,6 +89,12 @@ def response_metadata(result: GenerationResult, model_name: str) -> dict[str, An
         "recomputed_tokens": result.recomputed_tokens,
         "chunk_hits": result.chunk_hits,
         "documents": list(result.documents),
+        # dynamic speculative pipelining: set when this answer was generated during the retriever's search
+        "speculation_kept": result.speculation_kept,
+        "search_s": result.search_s,
+        "unoverlapped_search_s": result.unoverlapped_search_s,
+        "speculative_requests": result.speculative_requests,
+        "wasted_tokens": result.wasted_tokens,
     }
 
 
@@ -127,8 +134,7 @@ class ChatRAGCache(RAGCacheParams, BaseChatModel):
         return params
 
     def _prepare(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict) -> Generation:
-        prompt = self.prompt_segmenter(kwargs).chat(to_chat_turns(messages))
-        return self.generation(prompt.segments, stop, kwargs)
+        return self.chat_generation(to_chat_turns(messages), stop, kwargs)
 
     def _message(self, result: GenerationResult) -> AIMessage:
         return AIMessage(content=result.answer, usage_metadata=usage_metadata(result),

@@ -4,11 +4,18 @@ The documents it returns carry their exact stored text as ``page_content``, so w
 template puts them into a prompt, :class:`~ragcache_integrations.langchain.ChatRAGCache` finds
 them again and serves their KV from the cache. Its store is watched by the process-wide
 recognizer (:func:`~ragcache_integrations.known_documents`).
+
+The search runs in stages (RAGCache §5.3). Once our model has run one prompt built from this
+retriever's documents and query, the retriever speculates while it searches: the candidates of
+each stage are generated on with the prompt that chain would build, and the model call that
+follows takes the speculative generation when its prompt is exactly that one
+(:mod:`ragcache_integrations._speculation`). The chain needs no change; its answer is the one its
+own prompt gives.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +27,7 @@ from pydantic import ConfigDict, Field
 from ragcache_backend.retrieval.docstore import DocumentStore, ScoredDocument
 from ragcache_backend.errors import InvalidRequestError
 from ragcache_integrations._runtime import default_store, known_documents
+from ragcache_integrations._speculation import speculative_retrieval
 
 __all__ = ["RAGCacheRetriever", "to_langchain_document"]
 
@@ -51,6 +59,11 @@ class RAGCacheRetriever(BaseRetriever):
     corpus_dir: Path | None = Field(
         default=None, description="corpus folder used when no store is given; None = the Python documentation")
     k: int = Field(default=4, ge=1, description="how many documents to return (at most the store's size)")
+    num_stages: int = Field(default=4, ge=1, description="stages of the pipelined search (RAGCache §5.3)")
+    speculate: bool = Field(
+        default=True,
+        description="speculate on each stage's candidates with the prompt our model last built from this "
+                    "retriever's results (dynamic speculative pipelining); False = a plain search")
 
     def resolved_store(self) -> DocumentStore:
         """The store (the default one is built or loaded on first use); watched for recognition."""
@@ -62,12 +75,24 @@ class RAGCacheRetriever(BaseRetriever):
                                 k: int | None = None, **kwargs: Any) -> list[LCDocument]:
         if kwargs:
             raise InvalidRequestError(f"unsupported retriever arguments {sorted(kwargs)}; supported: k")
-        hits = self.resolved_store().search(query, self.k if k is None else k)
+        k = self.k if k is None else k
+        store = self.resolved_store()
+        if not self.speculate:
+            return [to_langchain_document(h) for h in store.search(query, k)]
+        hits = speculative_retrieval(query, store.search_stages(query, k, self.num_stages),
+                                     key=lambda h: h.document.doc_id, text=lambda h: h.document.text)
         return [to_langchain_document(h) for h in hits]
 
-    def stream_candidates(self, query: str, num_stages: int = 4, k: int | None = None) -> Iterator[list[LCDocument]]:
+    def stream_candidates(self, query: str, num_stages: int | None = None, k: int | None = None) -> Iterator[list[LCDocument]]:
         """The current top-``k`` after each stage of a pipelined search (RAGCache §5.3); the last
         list equals :meth:`invoke`'s result."""
-        stages = self.resolved_store().search_stages(query, self.k if k is None else k, num_stages)
+        stages = self.resolved_store().search_stages(query, self.k if k is None else k, num_stages or self.num_stages)
         for hits in stages:
+            yield [to_langchain_document(h) for h in hits]
+
+    async def astream_candidates(self, query: str, num_stages: int | None = None,
+                                 k: int | None = None) -> AsyncIterator[list[LCDocument]]:
+        """Async :meth:`stream_candidates` (each stage on a worker thread)."""
+        stages = self.resolved_store().asearch_stages(query, self.k if k is None else k, num_stages or self.num_stages)
+        async for hits in stages:
             yield [to_langchain_document(h) for h in hits]

@@ -98,8 +98,13 @@ class RAGCacheLLM(CompletionParams, CustomLLM):
                            model_name=self.reported_model_name())
 
     # ---- requests ------------------------------------------------------------------------------
+    def chat_request(self, messages: Sequence[ChatMessage], **kwargs: Any) -> Generation:
+        """The ready request :meth:`chat` would run (its ``run``, ``stream``, ``submit``...), e.g. for
+        a query engine that pipelines retrieval with generation."""
+        return self._chat_request(messages, kwargs)
+
     def _chat_request(self, messages: Sequence[ChatMessage], kwargs: dict) -> Generation:
-        return self.generation(self.prompt_segmenter(kwargs).chat(to_chat_turns(messages)).segments, None, kwargs)
+        return self.chat_generation(to_chat_turns(messages), None, kwargs)
 
     def _complete_request(self, prompt: str, kwargs: dict) -> Generation:
         return self.generation(self.segment_completion(prompt, kwargs).segments, None, kwargs)

@@ -4,10 +4,18 @@ The prompt is LlamaIndex's own chat QA template (the one ``index.as_query_engine
 chat model): the retrieved nodes' text goes into ``{context_str}`` before the query, so the
 template text and the documents form the cached prefix and only the query is computed. The
 response's ``metadata`` reports what the cache served.
+
+With our :class:`RAGCacheRetriever` the query engine pipelines retrieval and generation (RAGCache
+§5.3, Algorithm 2): the search runs in stages, and while it runs the engine generates
+speculatively on the candidates (the prompt this query engine would build from them), restarting
+when they change and only while the engine is idle enough; the answer is always the final nodes'
+one. ``metadata`` then also reports ``search_s``, ``unoverlapped_search_s``,
+``speculative_requests``, ``wasted_tokens`` and ``speculation_kept``.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from llama_index.core.base.base_retriever import BaseRetriever
@@ -18,7 +26,9 @@ from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.schema import MetadataMode, NodeWithScore
 from pydantic import Field
 
-from ragcache_integrations.llamaindex.llms import RAGCacheLLM
+from ragcache_backend.engine.pipelining import SpeculativePipeline
+from ragcache_backend.engine.request import GenerationResult
+from ragcache_integrations.llamaindex.llms import RAGCacheLLM, raw_usage
 from ragcache_integrations.llamaindex.retrievers import RAGCacheRetriever
 
 __all__ = ["RAGCacheQueryEngine"]
@@ -42,6 +52,10 @@ class RAGCacheQueryEngine(CustomQueryEngine):
     qa_prompt: BasePromptTemplate = Field(
         default=CHAT_TEXT_QA_PROMPT,
         description="chat prompt with {context_str} and {query_str}; LlamaIndex's default QA prompt")
+    pipelined: bool = Field(
+        default=True,
+        description="with a RAGCacheRetriever: overlap its staged search with speculative generation "
+                    "(RAGCache §5.3); False = search, then generate")
 
     def _messages(self, query_str: str, nodes: list[NodeWithScore]) -> list:
         context = "\n\n".join(n.node.get_content(metadata_mode=MetadataMode.LLM) for n in nodes)
@@ -58,14 +72,44 @@ class RAGCacheQueryEngine(CustomQueryEngine):
             "documents": raw["documents"],
             "model": raw["model"],
         }
+        metadata.update({k: raw[k] for k in _PIPELINE_FIELDS if k in raw})
         return Response(response=answer, source_nodes=nodes, metadata=metadata)
 
     def custom_query(self, query_str: str) -> Response:
+        if self.pipelined and isinstance(self.retriever, RAGCacheRetriever):
+            return self._pipelined(query_str)
         nodes = self.retriever.retrieve(query_str)
         reply = self.llm.chat(self._messages(query_str, nodes))
         return self._response(reply.message.content, reply.raw, nodes)
 
     async def acustom_query(self, query_str: str) -> Response:
+        if self.pipelined and isinstance(self.retriever, RAGCacheRetriever):
+            return await asyncio.to_thread(self._pipelined, query_str)
         nodes = await self.retriever.aretrieve(query_str)
         reply = await self.llm.achat(self._messages(query_str, nodes))
         return self._response(reply.message.content, reply.raw, nodes)
+
+    def _pipelined(self, query_str: str) -> Response:
+        """Algorithm 2 over the retriever's staged search; the answer is the final nodes' one."""
+        engine = self.llm.resolved_engine()
+
+        def submit(nodes, on_text):
+            return self.llm.chat_request(self._messages(query_str, list(nodes))).submit(on_text)
+
+        pipeline = SpeculativePipeline(engine, submit, key=lambda n: n.node.node_id,
+                                       max_prefill_bs=engine.config.max_prefill_bs)
+        outcome = pipeline.speculate(self.retriever.stream_candidates(query_str))
+        nodes = list(outcome.documents)
+        if outcome.handle is not None:
+            result = outcome.finish()
+        else:
+            result = outcome.report(self.llm.chat_request(self._messages(query_str, nodes)).run())
+        return self._response(result.answer, _raw(result), nodes)
+
+
+_PIPELINE_FIELDS = ("search_s", "unoverlapped_search_s", "speculative_requests", "wasted_tokens", "speculation_kept")
+
+
+def _raw(result: GenerationResult) -> dict[str, Any]:
+    """``raw_usage`` plus the pipelining figures of a pipelined answer."""
+    return {**raw_usage(result), **{k: getattr(result, k) for k in _PIPELINE_FIELDS}}

@@ -7,7 +7,7 @@ watched by the process-wide recognizer (:func:`~ragcache_integrations.known_docu
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable, Iterator
 from pathlib import Path
 
 from llama_index.core.base.base_retriever import BaseRetriever
@@ -59,15 +59,18 @@ class RAGCacheRetriever(BaseRetriever):
         store: the store to search; None = the store of ``corpus_dir``, built or loaded on first use.
         corpus_dir: corpus folder used when no store is given; None = the Python documentation.
         k: how many documents to return (at most the store's size).
+        num_stages: stages of the pipelined search (:meth:`stream_candidates`, RAGCache §5.3);
+            :class:`~ragcache_integrations.llamaindex.RAGCacheQueryEngine` speculates on them.
         callback_manager: LlamaIndex callbacks.
     """
 
     def __init__(self, store: DocumentStore | None = None, *, corpus_dir: Path | str | None = None, k: int = 4,
-                 callback_manager: CallbackManager | None = None) -> None:
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise InvalidRequestError(f"k must be an integer >= 1, got {k!r}")
+                 num_stages: int = 4, callback_manager: CallbackManager | None = None) -> None:
+        for name, value in (("k", k), ("num_stages", num_stages)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidRequestError(f"{name} must be an integer >= 1, got {value!r}")
         super().__init__(callback_manager=callback_manager)
-        self._store, self.corpus_dir, self.k = store, corpus_dir, k
+        self._store, self.corpus_dir, self.k, self.num_stages = store, corpus_dir, k, num_stages
 
     def resolved_store(self) -> DocumentStore:
         """The store (the default one is built or loaded on first use); watched for recognition."""
@@ -78,3 +81,14 @@ class RAGCacheRetriever(BaseRetriever):
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         return [to_node(h) for h in self.resolved_store().search(query_bundle.query_str, self.k)]
+
+    def stream_candidates(self, query: str) -> Iterator[list[NodeWithScore]]:
+        """The current top-``k`` nodes after each stage of a pipelined search (RAGCache §5.3); the
+        last list equals :meth:`retrieve`'s result."""
+        for hits in self.resolved_store().search_stages(query, self.k, self.num_stages):
+            yield [to_node(h) for h in hits]
+
+    async def astream_candidates(self, query: str) -> AsyncIterator[list[NodeWithScore]]:
+        """Async :meth:`stream_candidates` (each stage on a worker thread)."""
+        async for hits in self.resolved_store().asearch_stages(query, self.k, self.num_stages):
+            yield [to_node(h) for h in hits]

@@ -29,3 +29,13 @@ def faq_questions(faq_dir) -> list[str]:
     from ragcache_backend.demo.datasets import faq_questions
 
     return faq_questions(faq_dir.parent)
+
+
+@pytest.fixture(autouse=True)
+def _no_speculation_across_tests():
+    """Each test starts with no learned prompt frame and leaves no posted speculative generation."""
+    from ragcache_integrations._speculation import speculation_board
+
+    speculation_board().forget()
+    yield
+    speculation_board().forget()
