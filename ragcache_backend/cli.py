@@ -301,6 +301,7 @@ def ask(
     no_disk_cache: bool = NO_DISK_CACHE,
     disk_budget_mib: int = DISK_BUDGET,
     cache_salt: Optional[str] = typer.Option(None, "--cache-salt", help="tenant salt: KV cached under another salt is never reused"),
+    pipelined: bool = typer.Option(False, "--pipelined", help="overlap the staged vector search with speculative prefill (RAGCache §5.3); same answer"),
 ) -> None:
     """Answer one question from the top-k retrieved documents."""
     with _user_errors():
@@ -317,22 +318,34 @@ def ask(
                                disk_budget_mib=disk_budget_mib)
         store = _store(corpus)
         engine = _engine(config, store)
-        hits = store.search(question, k)
         sampling = SamplingParams(max_tokens=max_tokens)
+        final: list = []
+
+        def candidates():  # the staged search; the last stage is the search's result
+            for stage in store.search_stages(question, k, config.search_stages):
+                final[:] = stage
+                yield [h.document for h in stage]
+
+        if pipelined:
+            answer = engine.stream_pipelined(question, candidates(), sampling, cache_salt=cache_salt)
+        else:
+            final[:] = store.search(question, k)
+            answer = engine.stream(question, [h.document for h in final], sampling, cache_salt=cache_salt)
         try:
             if as_json:
-                result = engine.generate(question, [h.document for h in hits], sampling, cache_salt=cache_salt)
+                *_, last = answer
+                hits, result = final, last.result
                 payload = {f: getattr(result, f) for f in result.__slots__}
                 payload["sources"] = [{"doc_id": h.document.doc_id, "title": h.document.title,
                                        "source": h.document.source, "score": h.score} for h in hits]
                 out.print_json(json.dumps(payload))
                 return
-            for chunk in engine.stream(question, [h.document for h in hits], sampling, cache_salt=cache_salt):
+            for chunk in answer:
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
             result = chunk.result
             sys.stdout.write("\n")
-            for h in hits:
+            for h in final:
                 err.print(f"  [dim]source:[/] {h.document.title} ({h.document.source})", highlight=False)
             err.print(f"  [dim]{cache_summary(result, config.disk_dir is not None)}[/]", highlight=False, soft_wrap=True)
         finally:
@@ -343,8 +356,13 @@ def cache_summary(result, disk_tier: bool) -> str:
     """One line: TTFT, prompt tokens, cached tokens, and the tiers the reused nodes came from."""
     tiers = f"device {result.device_hits}, host {result.host_hits}"
     tiers += f", disk {result.disk_hits}" if disk_tier else " (no disk tier)"
-    return (f"TTFT {result.ttft_s * 1000:.0f} ms; cache: {result.cached_tokens}/{result.prompt_tokens} prompt tokens "
+    line = (f"TTFT {result.ttft_s * 1000:.0f} ms; cache: {result.cached_tokens}/{result.prompt_tokens} prompt tokens "
             f"from the cache; hits by tier: {tiers}")
+    if result.speculative_requests:
+        line += (f"; search {result.search_s * 1000:.0f} ms, {result.unoverlapped_search_s * 1000:.0f} ms of it not "
+                 f"overlapped (speculative generations: {result.speculative_requests}, kept: "
+                 f"{'yes' if result.speculation_kept else 'no'}, wasted tokens: {result.wasted_tokens})")
+    return line
 
 
 @app.command()

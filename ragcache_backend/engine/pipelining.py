@@ -128,6 +128,26 @@ class SpeculationOutcome(Generic[D]):
                     self.discard()
                     raise RequestCancelledError("the request was cancelled") from None
 
+    def chunks(self, *, raw: bool = False) -> Iterator[str | GenerationResult]:
+        """Open the gate and yield the kept generation's text deltas (held ones first), then its
+        result (:meth:`report`-ed unless ``raw``). Closing the iterator early cancels the
+        generation (freed on return)."""
+        import queue
+
+        assert self.handle is not None and self.gate is not None, "no speculative generation was kept"
+        out: queue.SimpleQueue = queue.SimpleQueue()
+        try:
+            opened = time.perf_counter()
+            self.gate.open(out.put)
+            self.handle.future.add_done_callback(lambda _f: out.put(None))
+            while (item := out.get()) is not None:  # the engine emits all text before the result
+                yield item
+            result = self.handle.result()
+        except BaseException:
+            self.discard()
+            raise
+        yield result if raw else self.report(result, opened)
+
     def discard(self) -> None:
         """Cancel the kept generation (if any) and wait until the engine freed it."""
         if self.handle is not None:
@@ -289,27 +309,14 @@ class SpeculativePipeline(Generic[D]):
 
         Closing the iterator early cancels the request and frees every generation it started.
         """
-        import queue
-
-        out: queue.SimpleQueue = queue.SimpleQueue()
         outcome = self.speculate(candidates)
-        kept = outcome.handle is not None
-        running = outcome
-        if not kept:  # generate for the final documents now, through the same gate
-            gate = OutputGate()
-            running = replace(outcome, handle=self.submit(outcome.documents, gate.deliver), gate=gate)
-        handle = running.handle
-        try:
-            opened = time.perf_counter()
-            running.gate.open(out.put)
-            handle.future.add_done_callback(lambda _f: out.put(None))
-            while (item := out.get()) is not None:  # the engine emits all text before the result
-                yield item
-            result = handle.result()
-        except BaseException:
-            running.discard()
-            raise
-        yield running.report(result, opened) if kept else outcome.report(result)
+        if outcome.handle is not None:
+            yield from outcome.chunks()
+            return
+        gate = OutputGate()  # generate for the final documents now
+        running = replace(outcome, handle=self.submit(outcome.documents, gate.deliver), gate=gate)
+        for item in running.chunks(raw=True):
+            yield outcome.report(item) if isinstance(item, GenerationResult) else item
 
 
 def _failed(handle: RequestHandle) -> bool:
