@@ -159,3 +159,10 @@ def test_cli_ask_twice_reuses_the_first_runs_kv_from_disk(tmp_path):
     assert first["cached_tokens"] == 0 and first["disk_hits"] == 0
     assert second["cached_tokens"] == second["prompt_tokens"] - 1  # the whole prompt but its last token
     assert second["disk_hits"] == 4 and second["answer"] == first["answer"]  # system, 2 documents, question
+    # pipelined (staged search + speculative prefill): the same answer and sources, with the search figures
+    proc = _cli(*args, "--pipelined", "--no-disk-cache", env_home=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    piped = json.loads(proc.stdout)
+    assert piped["answer"] == first["answer"] and piped["documents"] == first["documents"]
+    assert [s["doc_id"] for s in piped["sources"]] == list(first["documents"])
+    assert piped["speculative_requests"] >= 1 and piped["speculation_kept"] and piped["search_s"] > 0
