@@ -247,9 +247,11 @@ class SpeculativePipeline(Generic[D]):
                 final = tuple(docs)
                 ids = tuple(self.key(d) for d in final)
                 current = self._current
-                waiting = self.engine.waiting_requests
-                if current is not None and current.handle.metrics.admitted == 0.0:
-                    waiting -= 1  # the stale request itself is not load
+                # this request's own generations that wait (the current one, terminated ones whose
+                # cancellation the loop has not taken yet) are not load
+                own = [g for g in ([current] if current else []) + self._terminated
+                       if g.handle.metrics.admitted == 0.0 and not g.handle.done()]
+                waiting = self.engine.waiting_requests - len(own)
                 decision = decide_speculation(changed=ids != previous, speculating=current is not None,
                                               waiting=max(0, waiting), max_prefill_bs=self.max_prefill_bs)
                 previous = ids
