@@ -237,9 +237,14 @@ def speculative_retrieval(query: str, stages, key: Callable[[object], str], text
     made: dict[tuple[str, ...], object] = {}
 
     def submit(docs: Sequence[object], on_text: Callable[[str], None]) -> RequestHandle:
-        generation = frame.make(frame.turns_for(query, [text(d) for d in docs]))
+        try:
+            generation = frame.make(frame.turns_for(query, [text(d) for d in docs]))
+            handle = generation.submit(on_text)
+        except Exception as exc:  # a prediction that cannot run (e.g. too long) never fails the retrieval
+            log.info("speculation skipped: %r", exc)
+            return _failed_handle(exc)
         made[tuple(key(d) for d in docs)] = generation
-        return generation.submit(on_text)
+        return handle
 
     engine = frame.engine
     pipeline = SpeculativePipeline(engine, submit, key=key, max_prefill_bs=engine.config.max_prefill_bs)
@@ -249,6 +254,13 @@ def speculative_retrieval(query: str, stages, key: Callable[[object], str], text
     if outcome.handle is not None:
         board.post(made[tuple(ids)].request_key(), outcome)
     return list(outcome.documents)
+
+
+def _failed_handle(exc: BaseException) -> RequestHandle:
+    """A handle that has already failed with ``exc`` (the pipeline then generates nothing for it)."""
+    handle = RequestHandle(-1, lambda _rid: None)
+    handle.future.set_exception(exc)
+    return handle
 
 
 def _chain(first, rest):
