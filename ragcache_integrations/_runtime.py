@@ -152,6 +152,10 @@ class Generation:
         settings): a speculative generation posted under this key answers exactly like this one."""
         return (id(self.engine), self.segments, self.sampling, self.use_cache, self.reuse)
 
+    def _posted(self) -> SpeculationOutcome | None:
+        """The speculative generation of exactly this request a retriever posted, taken off the board."""
+        return speculation_board().take(self.request_key())
+
     def submit(self, on_text: Callable[[str], None]) -> RequestHandle:
         """Queue this generation once on the engine (no timeout, no retry): for speculation."""
         return self.engine.submit_segments(self.segments, self.sampling, use_cache=self.use_cache,
@@ -172,7 +176,7 @@ class Generation:
         A speculative generation of exactly this request, posted by one of our retrievers, is
         taken instead of starting a new one (:mod:`ragcache_integrations._speculation`).
         """
-        taken = speculation_board().take(self.request_key())
+        taken = self._posted()
         if taken is not None:
             return taken.finish(on_text, cancel)
         emitted = threading.Event()
@@ -207,7 +211,7 @@ class Generation:
     async def arun(self) -> GenerationResult:
         """Async :meth:`run` on the engine's step loop: concurrent calls (a LangChain ``abatch``,
         ``asyncio.gather``) share forward steps. Cancelling the task cancels the request."""
-        taken = speculation_board().take(self.request_key())
+        taken = self._posted()
         if taken is not None:
             cancel = threading.Event()
             try:
@@ -227,7 +231,7 @@ class Generation:
 
     def stream(self) -> Iterator[StreamChunk]:
         """Text deltas as they are generated; the last chunk carries the result."""
-        taken = speculation_board().take(self.request_key())
+        taken = self._posted()
         if taken is not None:
             for item in taken.chunks():
                 yield StreamChunk(item) if isinstance(item, str) else StreamChunk("", item)
@@ -247,7 +251,7 @@ class Generation:
 
     async def astream(self) -> AsyncIterator[StreamChunk]:
         """Async :meth:`stream`."""
-        taken = speculation_board().take(self.request_key())
+        taken = self._posted()
         if taken is not None:
             async for chunk in _astream_taken(taken):
                 yield chunk
