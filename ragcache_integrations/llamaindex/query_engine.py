@@ -16,6 +16,8 @@ one. ``metadata`` then also reports ``search_s``, ``unoverlapped_search_s``,
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 from typing import Any
 
 from llama_index.core.base.base_retriever import BaseRetriever
@@ -84,26 +86,35 @@ class RAGCacheQueryEngine(CustomQueryEngine):
 
     async def acustom_query(self, query_str: str) -> Response:
         if self.pipelined and isinstance(self.retriever, RAGCacheRetriever):
-            return await asyncio.to_thread(self._pipelined, query_str)
+            cancel = threading.Event()
+            task = asyncio.ensure_future(asyncio.to_thread(self._pipelined, query_str, cancel))
+            try:
+                return await asyncio.shield(task)
+            except asyncio.CancelledError:
+                cancel.set()  # the worker stops at its next stage or wait and frees what it started
+                with contextlib.suppress(BaseException):
+                    await task
+                raise
         nodes = await self.retriever.aretrieve(query_str)
         reply = await self.llm.achat(self._messages(query_str, nodes))
         return self._response(reply.message.content, reply.raw, nodes)
 
-    def _pipelined(self, query_str: str) -> Response:
+    def _pipelined(self, query_str: str, cancel: threading.Event | None = None) -> Response:
         """Algorithm 2 over the retriever's staged search; the answer is the final nodes' one."""
         engine = self.llm.resolved_engine()
+        cancel = cancel or threading.Event()
 
         def submit(nodes, on_text):
             return self.llm.chat_request(self._messages(query_str, list(nodes))).submit(on_text)
 
         pipeline = SpeculativePipeline(engine, submit, key=lambda n: n.node.node_id,
-                                       max_prefill_bs=engine.config.max_prefill_bs)
+                                       max_prefill_bs=engine.config.max_prefill_bs, cancel=cancel)
         outcome = pipeline.speculate(self.retriever.stream_candidates(query_str))
         nodes = list(outcome.documents)
         if outcome.handle is not None:
-            result = outcome.finish()
+            result = outcome.finish(cancel=cancel)
         else:
-            result = outcome.report(self.llm.chat_request(self._messages(query_str, nodes)).run())
+            result = outcome.report(self.llm.chat_request(self._messages(query_str, nodes)).run(cancel=cancel))
         return self._response(result.answer, _raw(result), nodes)
 
 

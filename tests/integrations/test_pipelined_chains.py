@@ -98,3 +98,18 @@ def test_llamaindex_retriever_streams_candidates(faq_store, faq_questions):
     assert [[n.node.node_id for n in s] for s in asyncio.run(collect())] == [[n.node.node_id for n in s] for s in stages]
     with pytest.raises(ValueError):
         LlamaRetriever(faq_store, num_stages=0)
+
+
+def test_cancelled_pipelined_aquery_frees_its_work(engine, faq_store, faq_questions):
+    llm = RAGCacheLLM(engine=engine, max_tokens=200)
+    piped = RAGCacheQueryEngine(retriever=LlamaRetriever(faq_store, k=3), llm=llm)
+
+    async def main():
+        task = asyncio.ensure_future(piped.aquery(faq_questions[50]))
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert engine.wait_idle(10) and engine.in_flight == 0
