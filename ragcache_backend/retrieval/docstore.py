@@ -17,6 +17,7 @@ pickle) and ``manifest.json`` with the sha256 of both, written and verified by
 from __future__ import annotations
 
 import asyncio
+import copy
 import enum
 import hashlib
 import logging
@@ -160,6 +161,17 @@ class DocumentStore:
         """IVF lists probed per search; None for a flat (exact) or HNSW index."""
         return self._nprobe
 
+    @nprobe.setter
+    def nprobe(self, value: int) -> None:
+        """Probe ``value`` IVF lists in this store's later searches (each search passes it to
+        Faiss; the index itself is not changed). Raises InvalidRequestError for a non-IVF store or
+        ``value`` outside ``1..nlist``."""
+        if self._kind is not IndexKind.IVF:
+            raise InvalidRequestError("only an IVF store has nprobe")
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= self._index.nlist:
+            raise InvalidRequestError(f"nprobe must be an integer in 1..{self._index.nlist}, got {value!r}")
+        self._nprobe = value
+
     @property
     def nlist(self) -> int | None:
         """IVF lists in the index; None for a flat or HNSW index."""
@@ -171,15 +183,9 @@ class DocumentStore:
 
         Raises InvalidRequestError for a non-IVF store or ``nprobe`` outside ``1..nlist``.
         """
-        if self._kind is not IndexKind.IVF:
-            raise InvalidRequestError("only an IVF store has nprobe")
-        if isinstance(nprobe, bool) or not isinstance(nprobe, int) or not 1 <= nprobe <= self._index.nlist:
-            raise InvalidRequestError(f"nprobe must be an integer in 1..{self._index.nlist}, got {nprobe!r}")
-        other = DocumentStore.__new__(DocumentStore)
-        other._documents, other._positions, other._index = self._documents, self._positions, self._index
-        other._embedder, other._kind, other._nprobe = self._embedder, self._kind, nprobe
-        other.corpus_fingerprint, other._lock = self.corpus_fingerprint, self._lock
-        return other
+        view = copy.copy(self)  # shallow: the same documents, index and lock
+        view.nprobe = nprobe
+        return view
 
     # -- search ------------------------------------------------------------------------------
     def search(self, query: str, k: int) -> list[ScoredDocument]:
@@ -213,24 +219,23 @@ class DocumentStore:
         about one plain search. Raises InvalidRequestError (k < 1 or num_stages < 1) and
         EmptyQueryError when called.
         """
-        if num_stages < 1:
-            raise InvalidRequestError(f"num_stages must be >= 1, got {num_stages}")
-        return self.search_vector_stages(self._embed_query(query, k), k, num_stages)
+        _check_stages(num_stages)
+        return self._stages(_as_query(self._embed_query(query, k), self._index.d), self._check_k(k), num_stages)
 
     def search_vector_stages(self, vector: np.ndarray, k: int, num_stages: int) -> Iterator[list[ScoredDocument]]:
         """Like :meth:`search_stages` for a query vector (float32 [dim], L2-normalised); the last
         stage equals :meth:`search_vector`."""
-        if num_stages < 1:
-            raise InvalidRequestError(f"num_stages must be >= 1, got {num_stages}")
+        _check_stages(num_stages)
         return self._stages(_as_query(vector, self._index.d), self._check_k(k), num_stages)
 
     def _stages(self, query: np.ndarray, k: int, num_stages: int) -> Iterator[list[ScoredDocument]]:
         keep, best = k + _TIE_MARGIN, _EMPTY
         if self._kind is IndexKind.IVF:
-            params = faiss.SearchParametersIVF(nprobe=self._nprobe)
+            nprobe = self._nprobe  # read once: a search keeps its width if nprobe is set meanwhile
+            params = faiss.SearchParametersIVF(nprobe=nprobe)
             with self._lock:
-                list_scores, lists = self._index.quantizer.search(query, self._nprobe)
-            for part in np.array_split(np.arange(self._nprobe), min(num_stages, self._nprobe)):
+                list_scores, lists = self._index.quantizer.search(query, nprobe)
+            for part in np.array_split(np.arange(nprobe), min(num_stages, nprobe)):
                 # Faiss skips list ids < 0: probe only this slice, keep nprobe-wide arrays.
                 stage_lists = np.full_like(lists, -1)
                 stage_lists[0, part] = lists[0, part]
@@ -358,6 +363,11 @@ def _merge(best: tuple[np.ndarray, np.ndarray], scores: np.ndarray, ids: np.ndar
     all_scores, all_ids = all_scores[found], all_ids[found]
     order = np.lexsort((all_ids, -all_scores))[:keep]
     return all_scores[order], all_ids[order]
+
+
+def _check_stages(num_stages: int) -> None:
+    if num_stages < 1:
+        raise InvalidRequestError(f"num_stages must be >= 1, got {num_stages}")
 
 
 def _search_preassigned(index: faiss.IndexIVF, query: np.ndarray, k: int, lists: np.ndarray, list_scores: np.ndarray,

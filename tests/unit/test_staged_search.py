@@ -137,3 +137,16 @@ def test_unknown_kind_and_wrong_vectors(embedder):
     with pytest.raises(InvalidRequestError):
         DocumentStore.build(docs, embedder, vectors=np.zeros((2, DIM), np.float32), progress=False)
     assert faiss.IndexHNSWFlat  # the Faiss build has HNSW
+
+
+def test_nprobe_setter_is_checked_and_per_store(embedder, queries):
+    store = _random_store("ivf", embedder)
+    view = store.with_nprobe(30)
+    view.nprobe = 40
+    assert view.nprobe == 40 and store.nprobe == 12
+    assert list(view.search_vector_stages(queries[0], 5, 4))[-1] == view.search_vector(queries[0], 5)
+    for bad in (0, store.nlist + 1, 2.5, True):
+        with pytest.raises(InvalidRequestError):
+            view.nprobe = bad
+    with pytest.raises(InvalidRequestError):
+        _random_store("hnsw", embedder).nprobe = 4
