@@ -28,7 +28,7 @@ from tenacity import AsyncRetrying, Retrying, retry_if_exception, stop_after_att
 from ragcache_backend.config import EngineConfig
 from ragcache_backend.retrieval.docstore import DocumentStore, build_index
 from ragcache_backend.engine.engine import GenerationResult, RAGCacheEngine, StreamChunk
-from ragcache_backend.engine.pipelining import SpeculationOutcome
+from ragcache_backend.engine.pipelining import SpeculationOutcome, run_cancellable
 from ragcache_backend.engine.request import RequestHandle
 from ragcache_backend.errors import InvalidRequestError, RAGCacheError, RequestCancelledError
 from ragcache_backend.prompts.builder import Segment
@@ -214,11 +214,7 @@ class Generation:
         taken = self._posted()
         if taken is not None:
             cancel = threading.Event()
-            try:
-                return await asyncio.shield(asyncio.to_thread(taken.finish, None, cancel))
-            except asyncio.CancelledError:
-                cancel.set()  # the worker thread cancels and frees the generation
-                raise
+            return await run_cancellable(lambda: taken.finish(None, cancel), cancel)
         async for attempt in AsyncRetrying(**self._retry_kwargs()):
             with attempt:
                 call = self.engine.agenerate_segments(self.segments, self.sampling, use_cache=self.use_cache,

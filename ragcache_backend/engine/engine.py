@@ -56,7 +56,7 @@ from ragcache_backend.cache.profile import DEFAULT_ALPHAS, DEFAULT_BETAS, Prefil
 from ragcache_backend.cache.tiers import TieredCache
 from ragcache_backend.config import EngineConfig, ragcache_home
 from ragcache_backend.engine import chunk_step
-from ragcache_backend.engine.pipelining import SpeculativePipeline
+from ragcache_backend.engine.pipelining import SpeculativePipeline, run_cancellable
 from ragcache_backend.engine.request import (
     FinishReason,
     GenerationResult,
@@ -499,14 +499,7 @@ class RAGCacheEngine:
         cancels the request (between stages) and frees its speculative work."""
         cancel = threading.Event()
         pipeline = self.speculative_pipeline(question, sampling, cancel=cancel, **kw)
-        task = asyncio.ensure_future(asyncio.to_thread(pipeline.run, candidates))
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            cancel.set()
-            with contextlib.suppress(BaseException):
-                await task
-            raise
+        return await run_cancellable(lambda: pipeline.run(candidates), cancel)
 
     def stream(self, question: str, documents: Sequence[DocumentLike] = (), sampling: SamplingParams | None = None,
                **kw) -> Iterator[StreamChunk]:

@@ -22,7 +22,9 @@ knowledge tree like any other request's.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
@@ -33,9 +35,10 @@ from ragcache_backend.engine.request import GenerationResult, RequestHandle
 from ragcache_backend.engine.scheduler import decide_speculation
 from ragcache_backend.errors import RequestCancelledError, RetrievalError
 
-__all__ = ["OutputGate", "SpeculationOutcome", "SpeculativePipeline", "SpeculativeTarget"]
+__all__ = ["OutputGate", "SpeculationOutcome", "SpeculativePipeline", "SpeculativeTarget", "run_cancellable"]
 
 D = TypeVar("D")
+T = TypeVar("T")
 
 
 class SpeculativeTarget(Protocol):
@@ -319,6 +322,20 @@ class SpeculativePipeline(Generic[D]):
         running = replace(outcome, handle=self.submit(outcome.documents, gate.deliver), gate=gate)
         for item in running.chunks(raw=True):
             yield outcome.report(item) if isinstance(item, GenerationResult) else item
+
+
+async def run_cancellable(work: Callable[[], T], cancel: threading.Event) -> T:
+    """Run blocking pipelined ``work`` on a worker thread and await it. Cancelling the awaiting
+    task sets ``cancel`` (the event ``work`` checks at every stage and wait) and waits until the
+    worker has returned, having freed what it started, then re-raises the cancellation."""
+    task = asyncio.ensure_future(asyncio.to_thread(work))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        cancel.set()
+        with contextlib.suppress(BaseException):
+            await task
+        raise
 
 
 def _failed(handle: RequestHandle) -> bool:

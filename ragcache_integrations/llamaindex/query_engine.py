@@ -15,8 +15,6 @@ one. ``metadata`` then also reports ``search_s``, ``unoverlapped_search_s``,
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import threading
 from typing import Any
 
@@ -28,7 +26,7 @@ from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.schema import MetadataMode, NodeWithScore
 from pydantic import Field
 
-from ragcache_backend.engine.pipelining import SpeculativePipeline
+from ragcache_backend.engine.pipelining import SpeculativePipeline, run_cancellable
 from ragcache_backend.engine.request import GenerationResult
 from ragcache_integrations.llamaindex.llms import RAGCacheLLM, raw_usage
 from ragcache_integrations.llamaindex.retrievers import RAGCacheRetriever
@@ -87,14 +85,7 @@ class RAGCacheQueryEngine(CustomQueryEngine):
     async def acustom_query(self, query_str: str) -> Response:
         if self.pipelined and isinstance(self.retriever, RAGCacheRetriever):
             cancel = threading.Event()
-            task = asyncio.ensure_future(asyncio.to_thread(self._pipelined, query_str, cancel))
-            try:
-                return await asyncio.shield(task)
-            except asyncio.CancelledError:
-                cancel.set()  # the worker stops at its next stage or wait and frees what it started
-                with contextlib.suppress(BaseException):
-                    await task
-                raise
+            return await run_cancellable(lambda: self._pipelined(query_str, cancel), cancel)
         nodes = await self.retriever.aretrieve(query_str)
         reply = await self.llm.achat(self._messages(query_str, nodes))
         return self._response(reply.message.content, reply.raw, nodes)
