@@ -144,8 +144,8 @@ class SpeculationBoard:
     def learn(self, turns: Sequence[ChatTurn], recognizer: DocumentRecognizer, make: MakeGeneration,
               engine: object) -> None:
         """Learn the frame of a chat prompt a model of ours is about to run (no-op if none)."""
-        with self._lock:
-            retrieved = list(self._retrieved)
+        with self._lock:  # only retrievals whose query is in the prompt (a cheap test before recognition)
+            retrieved = [r for r in self._retrieved if r[0] and any(r[0] in t.content for t in turns)]
         if not retrieved:
             return
         frame = learn_frame(turns, recognizer, retrieved, make, engine)
