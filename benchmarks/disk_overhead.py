@@ -14,7 +14,6 @@ the disk tier; once more, and it comes from device memory.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -22,6 +21,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmark_report import write_report  # benchmarks/ is on sys.path when a script runs
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -95,10 +96,7 @@ def main() -> None:
         "files_read": read.loaded, "read_s_total": read.read_s, "disk_bytes": sum(p.stat().st_size for p in folder.rglob("*.kv.safetensors")),
         "rows": rows,
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
+    write_report(report, args.json)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmark_report import write_report  # benchmarks/ is on sys.path when a script runs
+
 import httpx
 
 HERE = Path(__file__).resolve().parent
@@ -276,10 +278,7 @@ def main() -> None:
                 {m: (a[m] / b[m] if b[m] else None)
                  for m in ("ttft_p50_s", "ttft_p99_s", "e2e_p50_s", "e2e_p99_s", "output_tokens_per_s")}
                 for a, b in zip(ours["bursts"], peer["bursts"])]
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
+    write_report(report, args.json)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,8 @@ import threading
 import time
 from pathlib import Path
 
+from benchmark_report import write_report  # benchmarks/ is on sys.path when a script runs
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -262,9 +264,7 @@ def main() -> None:
     out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.processor() or platform.machine(),
            "cpus": os.cpu_count(), "command": " ".join([Path(sys.executable).name, *sys.argv]), "index": meta,
            "config": vars(args) | {"json": str(args.json), "plot": str(args.plot)}, "low_load": rows, "high_load": high}
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=2))
+    write_report(out, args.json, echo=False)
     if args.plot:
         plot(rows, args.plot)
     engine.close()
