@@ -25,7 +25,6 @@ __all__ = [
 ]
 
 
-
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
