@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import queue
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
@@ -114,8 +115,9 @@ class SpeculationOutcome(Generic[D]):
         return self.search_end_s - self.started_s
 
     def finish(self, on_text: Callable[[str], None] | None = None,
-               cancel: threading.Event | None = None) -> GenerationResult:
-        """Open the gate (held text first) and wait for the kept generation's result.
+               cancel: threading.Event | None = None, *, raw: bool = False) -> GenerationResult:
+        """Open the gate (held text first) and wait for the kept generation's result
+        (:meth:`report`-ed unless ``raw``).
 
         Raises the generation's error; RequestCancelledError when ``cancel`` is set (the
         generation is cancelled and freed first).
@@ -125,7 +127,8 @@ class SpeculationOutcome(Generic[D]):
         self.gate.open(on_text or (lambda _t: None))
         while True:
             try:
-                return self.report(self.handle.result(timeout=0.1), opened)
+                result = self.handle.result(timeout=0.1)
+                return result if raw else self.report(result, opened)
             except concurrent.futures.TimeoutError:
                 if cancel is not None and cancel.is_set():
                     self.discard()
@@ -135,8 +138,6 @@ class SpeculationOutcome(Generic[D]):
         """Open the gate and yield the kept generation's text deltas (held ones first), then its
         result (:meth:`report`-ed unless ``raw``). Closing the iterator early cancels the
         generation (freed on return)."""
-        import queue
-
         assert self.handle is not None and self.gate is not None, "no speculative generation was kept"
         out: queue.SimpleQueue = queue.SimpleQueue()
         try:
@@ -163,14 +164,13 @@ class SpeculationOutcome(Generic[D]):
         For a kept generation the unoverlapped search time ends when it was admitted for prefill
         (if that came before the end of the search); otherwise it is the whole search.
         """
-        kept = self.handle is not None
-        end = self.search_end_s
-        admitted = self.handle.metrics.admitted if kept else 0.0
-        overlap_from = min(admitted or end, end) if kept else end
+        kept, end = self.handle is not None, self.search_end_s
         if kept:
-            m = self.handle.metrics
-            ttft, total = max(m.first_token, opened_s or end) - self.started_s, max(m.finished, opened_s or end) - self.started_s
+            m, opened = self.handle.metrics, opened_s or end
+            overlap_from = min(m.admitted or end, end)
+            ttft, total = max(m.first_token, opened) - self.started_s, max(m.finished, opened) - self.started_s
         else:  # generated after the search: its own times plus the search
+            overlap_from = end
             ttft, total = result.ttft_s + self.search_s, result.total_s + self.search_s
         return replace(result, ttft_s=ttft, total_s=total, search_s=self.search_s,
                        unoverlapped_search_s=max(0.0, overlap_from - self.started_s),
@@ -300,14 +300,7 @@ class SpeculativePipeline(Generic[D]):
         outcome = self.speculate(candidates)
         if outcome.handle is not None:
             return outcome.finish(on_text, self.cancel)
-        handle = self.submit(outcome.documents, on_text or (lambda _t: None))
-        try:
-            result = handle.result()
-        except BaseException:
-            handle.cancel()
-            concurrent.futures.wait([handle.future])
-            raise
-        return outcome.report(result)
+        return outcome.report(self._generate_final(outcome).finish(on_text, self.cancel, raw=True))
 
     def stream(self, candidates: Iterable[Sequence[D]]) -> Iterator[str | GenerationResult]:
         """Like :meth:`run`, yielding text deltas as they come and finally the result.
@@ -318,10 +311,14 @@ class SpeculativePipeline(Generic[D]):
         if outcome.handle is not None:
             yield from outcome.chunks()
             return
-        gate = OutputGate()  # generate for the final documents now
-        running = replace(outcome, handle=self.submit(outcome.documents, gate.deliver), gate=gate)
-        for item in running.chunks(raw=True):
+        for item in self._generate_final(outcome).chunks(raw=True):
             yield outcome.report(item) if isinstance(item, GenerationResult) else item
+
+    def _generate_final(self, outcome: SpeculationOutcome[D]) -> SpeculationOutcome[D]:
+        """No speculation was kept: start the generation for the final documents now, behind a gate
+        like any other, so that it is waited on, streamed and cancelled the same way."""
+        gate = OutputGate()
+        return replace(outcome, handle=self.submit(outcome.documents, gate.deliver), gate=gate)
 
 
 async def run_cancellable(work: Callable[[], T], cancel: threading.Event) -> T:

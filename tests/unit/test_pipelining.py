@@ -237,3 +237,21 @@ def test_ask_pipelined_equals_ask_on_a_real_store(tiny_model, fixed_profile, faq
         settled(eng)
     finally:
         eng.close(cancel=True)
+
+
+def test_cancel_while_the_final_documents_are_generated(engine):
+    """No speculation (max_prefill_bs 0): the task is cancelled after the search, while the final
+    documents' answer is being generated; it is cancelled and freed too."""
+    slow = SamplingParams(max_tokens=2000, stop=())
+
+    async def main():
+        task = asyncio.ensure_future(engine.agenerate_pipelined(Q, stages([A, B]), slow, max_prefill_bs=0))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    t0 = time.perf_counter()
+    asyncio.run(main())
+    assert time.perf_counter() - t0 < 5
+    settled(engine)
