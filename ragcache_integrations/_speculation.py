@@ -24,6 +24,7 @@ the work was done.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import threading
 from collections.abc import Callable, Hashable, Sequence
@@ -216,7 +217,7 @@ def speculation_board() -> SpeculationBoard:
 
 
 def speculative_retrieval(query: str, stages, key: Callable[[object], str], text: Callable[[object], str],
-                          *, speculate: bool = True, board: SpeculationBoard | None = None) -> list:
+                          *, board: SpeculationBoard | None = None) -> list:
     """Run a retriever's staged search (``stages``: candidate lists, the last one final), speculating
     with the learned frame for its size when there is one; returns the final documents.
 
@@ -227,7 +228,7 @@ def speculative_retrieval(query: str, stages, key: Callable[[object], str], text
     first = next(stages, None)
     if first is None:
         return []
-    frame = board.frame(len(first)) if speculate else None
+    frame = board.frame(len(first))
     if frame is None:  # nothing learned yet: a plain staged search
         final = first
         for final in stages:
@@ -248,7 +249,7 @@ def speculative_retrieval(query: str, stages, key: Callable[[object], str], text
 
     engine = frame.engine
     pipeline = SpeculativePipeline(engine, submit, key=key, max_prefill_bs=engine.config.max_prefill_bs)
-    outcome = pipeline.speculate(_chain(first, stages))
+    outcome = pipeline.speculate(itertools.chain([first], stages))
     ids = [key(d) for d in outcome.documents]
     board.note_retrieval(query, ids)
     if outcome.handle is not None:
@@ -261,8 +262,3 @@ def _failed_handle(exc: BaseException) -> RequestHandle:
     handle = RequestHandle(-1, lambda _rid: None)
     handle.future.set_exception(exc)
     return handle
-
-
-def _chain(first, rest):
-    yield first
-    yield from rest
