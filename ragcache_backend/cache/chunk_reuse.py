@@ -20,6 +20,7 @@ Nothing here touches tensors: the runner records the attention sums, the schedul
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -287,6 +288,58 @@ class VariantInfo:
     start: int
     fingerprint: str
     reuse_score: float = 0.0
+
+
+#: Version of :func:`variant_to_json`'s layout; another version is refused on read.
+VARIANT_JSON_VERSION = 1
+
+
+def variant_to_json(info: VariantInfo) -> str:
+    """``info`` as a JSON object (the disk tier's per-file metadata for a variant): the statistics,
+    origin position, fingerprint and reuse score. Floats keep their exact value (``repr``), so a
+    variant read back plans exactly as the one written."""
+    st = info.stats
+    return json.dumps({
+        "version": VARIANT_JSON_VERSION, "chunk": st.chunk, "length": st.length, "prefix": list(st.prefix),
+        "prefix_lengths": list(st.prefix_lengths), "inter": list(st.inter), "intra": st.intra,
+        "token_inter": list(st.token_inter), "start": info.start, "fingerprint": info.fingerprint,
+        "reuse_score": info.reuse_score,
+    }, separators=(",", ":"), allow_nan=False)
+
+
+def variant_from_json(text: str) -> VariantInfo:
+    """The inverse of :func:`variant_to_json` (plain JSON, never unpickled).
+
+    Raises:
+        ValueError: not JSON, another layout version, a missing or mistyped field, or statistics
+            that :class:`VariantStats` refuses (inconsistent lengths, negative sums, ...).
+    """
+    try:
+        d = json.loads(text)
+        if not isinstance(d, dict) or d.get("version") != VARIANT_JSON_VERSION:
+            raise ValueError(f"variant metadata of version {d.get('version') if isinstance(d, dict) else None!r}")
+
+        def strs(xs) -> tuple[str, ...]:
+            if not isinstance(xs, list) or not all(isinstance(x, str) for x in xs):
+                raise ValueError("expected a list of strings")
+            return tuple(xs)
+
+        def nums(xs, kind) -> tuple:
+            if not isinstance(xs, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in xs):
+                raise ValueError("expected a list of numbers")
+            return tuple(kind(x) for x in xs)
+
+        if not isinstance(d["chunk"], str) or not isinstance(d["fingerprint"], str):
+            raise ValueError("chunk and fingerprint must be strings")
+        stats = VariantStats(chunk=d["chunk"], length=int(d["length"]), prefix=strs(d["prefix"]),
+                             prefix_lengths=nums(d["prefix_lengths"], int), inter=nums(d["inter"], float),
+                             intra=float(d["intra"]), token_inter=nums(d["token_inter"], float))
+        start, score = int(d["start"]), float(d["reuse_score"])
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"bad variant metadata: {exc!r}") from exc
+    if start < 0 or not math.isfinite(score) or score < 0:
+        raise ValueError(f"bad variant metadata: start {start}, reuse score {score}")
+    return VariantInfo(stats, start, d["fingerprint"], score)
 
 
 def context_keys(keys: Sequence[str]) -> tuple[str, ...]:

@@ -12,7 +12,7 @@ off the request's critical path and read back when a prefix match runs past what
   also in each file's metadata and checked on load.
 * **Integrity.** Each file holds tensors ``k`` and ``v``, ``[layers, tokens, kv_heads, head_dim]``
   in the model's dtype, and metadata (strings): format, fingerprint, path key, parent path key,
-  segment key, token count and the SHA-256 of the tensors' bytes. A file is written to a
+  segment key, token count and the SHA-256 of the tensors' bytes (and of the variant record, below). A file is written to a
   temporary name, fsync'ed and renamed (atomic on POSIX): a kill -9 mid-write leaves at most a
   ``.tmp`` file, removed at the next start. A truncated, corrupt or foreign file is detected on
   load (or at the start-up scan), logged, deleted and reported as a miss: the caller recomputes
@@ -26,6 +26,13 @@ off the request's critical path and read back when a prefix match runs past what
   memory; one writer thread serialises, checksums and writes them. If the queue holds more than
   ``max_pending_bytes`` a put is skipped (counted), never blocking a request. A failed write (full
   disk, permissions) is logged and counted; the server goes on without that file.
+
+* **Chunk variants** (Cache-Craft §3.3). A node that is also a chunk variant carries its record
+  (recorded attention sums, origin position, fingerprint, reuse score) as JSON in a ``variant``
+  metadata field, covered by the file's checksum. The index lists variants by chunk
+  (:meth:`DiskStore.variants`), so the chunk modes can reuse a document at another position after a
+  restart or after memory evicted it. Variant caps (N x M) bind memory only; on disk the budget
+  and its policy decide.
 
 Thread-safety: the index is guarded by a lock; the engine thread calls ``lookup``/``load``/
 ``touch``/``put``, the writer thread adds and evicts entries.
@@ -43,13 +50,14 @@ import struct
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from ragcache_backend.cache.chunk_reuse import VariantInfo, variant_from_json, variant_to_json
 from ragcache_backend.cache.policy import NodeStats, get_policy
 from ragcache_backend.errors import InvalidRequestError
 
@@ -79,10 +87,15 @@ def path_key(parent: str, key: str) -> str:
     return digest.hexdigest()[:32]
 
 
-def _kv_digest(k: torch.Tensor, v: torch.Tensor) -> str:
+def _kv_digest(k: torch.Tensor, v: torch.Tensor, variant: str = "") -> str:
+    """SHA-256 of the tensors' bytes, then of the variant record (if any): a file without a variant
+    has the same digest as before variants were stored."""
     digest = hashlib.sha256()
     for t in (k, v):
         digest.update(memoryview(t.contiguous().view(torch.uint8).numpy()))
+    if variant:
+        digest.update(b"\x00variant\x00")
+        digest.update(variant.encode())
     return digest.hexdigest()
 
 
@@ -101,6 +114,7 @@ class DiskEntry:
         last_access: the tier's access counter at the last write or hit.
         priority: eviction priority under the policy (lowest goes first).
         children: entries whose parent this is (an entry with children is never evicted).
+        variant: the node's chunk-variant record, when it is one (None otherwise).
     """
 
     path_key: str
@@ -113,6 +127,7 @@ class DiskEntry:
     last_access: int = 0
     priority: float = 0.0
     children: int = 0
+    variant: VariantInfo | None = None
 
 
 @dataclass(slots=True)
@@ -183,6 +198,7 @@ class DiskStore:
         self._access = 0
         self._lock = threading.Lock()
         self._entries: dict[str, DiskEntry] = {}
+        self._by_chunk: dict[str, set[str]] = {}  # chunk key -> path keys of its variants' entries
         self._used = 0
         self._pending: dict[str, int] = {}  # path key -> bytes queued for writing
         self._queue: queue.Queue[_Job | None] = queue.Queue()
@@ -213,6 +229,25 @@ class DiskStore:
         """The entry of path key ``pkey``, or None."""
         with self._lock:
             return self._entries.get(pkey)
+
+    def variants(self, chunk: str) -> list[DiskEntry]:
+        """Entries that are variants of ``chunk`` (any fingerprint: the caller filters), oldest first."""
+        with self._lock:
+            found = (self._entries.get(p) for p in self._by_chunk.get(chunk, ()))
+            return sorted((e for e in found if e is not None), key=lambda e: e.last_access)
+
+    def path_keys(self, pkey: str) -> list[str] | None:
+        """The segment keys from the root down to entry ``pkey`` (the keys a prefix match needs to
+        read it back with its ancestors), or None if it or an ancestor is not on disk."""
+        keys: list[str] = []
+        with self._lock:
+            while pkey:
+                e = self._entries.get(pkey)
+                if e is None or len(keys) > len(self._entries):
+                    return None
+                keys.append(e.key)
+                pkey = e.parent
+        return keys[::-1]
 
     # ---- reads ---------------------------------------------------------------------------------
     def load(self, entry: DiskEntry) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -269,7 +304,7 @@ class DiskStore:
             return "tensors of the wrong shape", None
         if k.dtype != self.dtype or v.dtype != self.dtype:
             return f"tensors of dtype {k.dtype}, expected {self.dtype}", None
-        if _kv_digest(k, v) != meta["sha256"]:
+        if _kv_digest(k, v, meta.get("variant", "")) != meta["sha256"]:
             return "checksum mismatch", None
         return "", (k, v)
 
@@ -289,7 +324,8 @@ class DiskStore:
         return ""
 
     # ---- writes --------------------------------------------------------------------------------
-    def put(self, pkey: str, parent: str, key: str, k: torch.Tensor, v: torch.Tensor, stats: NodeStats) -> bool:
+    def put(self, pkey: str, parent: str, key: str, k: torch.Tensor, v: torch.Tensor, stats: NodeStats,
+            variant: VariantInfo | None = None) -> bool:
         """Queue a node's KV for writing; returns False (nothing queued) when it is already on disk
         or queued, larger than the budget, or the writer is behind by ``max_pending_bytes``.
 
@@ -298,15 +334,21 @@ class DiskStore:
             k, v: CPU tensors ``[layers, tokens, kv_heads, head_dim]`` in the store's dtype; the
                 caller must not modify them afterwards (they are written from another thread).
             stats: the node's statistics (frequency, seconds per token) for the policy.
+            variant: the node's chunk-variant record, if it is one (its chunk must be ``key`` and
+                its length the token count).
 
         Raises:
-            InvalidRequestError: tensors of the wrong shape or dtype.
+            InvalidRequestError: tensors of the wrong shape or dtype, or a variant of another
+                chunk or length.
         """
         n = int(k.shape[1]) if k.dim() == 4 else -1
         shape = (self.layout[0], n, self.layout[1], self.layout[2])
         if tuple(k.shape) != shape or tuple(v.shape) != shape or k.dtype != self.dtype or v.dtype != self.dtype:
             raise InvalidRequestError(f"KV of shape {tuple(k.shape)} {k.dtype} does not fit the disk tier's "
                                       f"{shape} {self.dtype}")
+        if variant is not None and (variant.stats.chunk != key or variant.stats.length != n):
+            raise InvalidRequestError(f"a variant of {variant.stats.chunk} ({variant.stats.length} tokens) cannot be "
+                                      f"stored as segment {key} of {n} tokens")
         nbytes = k.nbytes + v.nbytes + 1024
         with self._lock:
             if self._closed or pkey in self._entries or pkey in self._pending:
@@ -315,7 +357,8 @@ class DiskStore:
                 self.stats.skipped += 1
                 return False
             self._pending[pkey] = nbytes
-        entry = DiskEntry(pkey, parent, key, n, nbytes, max(1, stats.frequency), stats.avg_cost)
+        record = None if variant is None else replace(variant)  # the caller's copy goes on changing (f_r)
+        entry = DiskEntry(pkey, parent, key, n, nbytes, max(1, stats.frequency), stats.avg_cost, variant=record)
         self._queue.put(_Job(entry, k.detach().cpu(), v.detach().cpu()))
         return True
 
@@ -354,9 +397,12 @@ class DiskStore:
     def _write(self, job: _Job) -> None:
         t0 = time.perf_counter()
         e = job.entry
+        record = variant_to_json(e.variant) if e.variant is not None else ""
         meta = {"format": str(FORMAT), "fingerprint": self.fingerprint, "path_key": e.path_key, "parent": e.parent,
-                "key": e.key, "num_tokens": str(e.num_tokens), "sha256": _kv_digest(job.k, job.v),
+                "key": e.key, "num_tokens": str(e.num_tokens), "sha256": _kv_digest(job.k, job.v, record),
                 "frequency": str(e.frequency), "avg_cost": repr(float(e.avg_cost))}
+        if record:
+            meta["variant"] = record
         final = self._file(e.path_key)
         tmp = final.with_name(f".{e.path_key}.{os.getpid()}.tmp")
         try:
@@ -401,12 +447,24 @@ class DiskStore:
         e.priority = self._priority(e)
         self._entries[e.path_key] = e
         self._used += e.nbytes
+        if e.variant is not None:
+            self._by_chunk.setdefault(e.key, set()).add(e.path_key)
+
+    def _unindex(self, e: DiskEntry) -> None:
+        """Take ``e`` out of the variant index (lock held)."""
+        if e.variant is not None:
+            held = self._by_chunk.get(e.key)
+            if held is not None:
+                held.discard(e.path_key)
+                if not held:
+                    del self._by_chunk[e.key]
 
     def _forget(self, pkey: str, *, delete: bool) -> None:
         with self._lock:
             e = self._entries.pop(pkey, None)
             if e is None:
                 return
+            self._unindex(e)
             self._used -= e.nbytes
             parent = self._entries.get(e.parent)
             if parent is not None:
@@ -429,6 +487,7 @@ class DiskStore:
             victim = min(leaves, key=lambda e: (e.priority, e.last_access))
             self._clock = max(self._clock, victim.priority)  # eq. 2
             del self._entries[victim.path_key]
+            self._unindex(victim)
             self._used -= victim.nbytes
             parent = self._entries.get(victim.parent)
             if parent is not None:
@@ -468,8 +527,18 @@ class DiskStore:
                 frequency = int(meta.get("frequency", "1"))
             except ValueError:
                 avg_cost, frequency = 0.0, 1
+            variant = None
+            if "variant" in meta:
+                try:
+                    variant = variant_from_json(meta["variant"])
+                except ValueError as exc:
+                    self._drop_corrupt(path, f"bad variant record ({exc})")
+                    continue
+                if variant.stats.chunk != meta["key"] or variant.stats.length != int(meta["num_tokens"]):
+                    self._drop_corrupt(path, "its variant record is for another chunk")
+                    continue
             found[pkey] = DiskEntry(pkey, meta["parent"], meta["key"], int(meta["num_tokens"]), nbytes,
-                                    max(1, frequency), avg_cost)
+                                    max(1, frequency), avg_cost, variant=variant)
         reachable: dict[str, DiskEntry] = {}
         visiting: set[str] = set()
 

@@ -46,12 +46,12 @@ import heapq
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, TypeAlias
 
 from ragcache_backend.cache.blocks import BlockAllocator, blocks_for
 from ragcache_backend.cache.chunk_reuse import RecomputeRule, VariantInfo, VariantStats, choose_with_rule, context_keys
-from ragcache_backend.cache.disk import DiskStore, path_key
+from ragcache_backend.cache.disk import DiskEntry, DiskStore, path_key
 from ragcache_backend.cache.knowledge_tree import KnowledgeTree, Node, SegmentKey, TierName, approximate_key
 from ragcache_backend.cache.lease import ChunkLease, ChunkPiece, ChunkSpec, Lease, PendingSegment, SegmentSpec, VariantUse
 from ragcache_backend.errors import CacheBudgetError, InvalidRequestError
@@ -434,47 +434,113 @@ class TieredCache:
         self.stats.host_hits += hits[1]
         self.stats.variant_hits += len(sources)
         return ChunkLease(prefix=prefix, pieces=pieces, tail_blocks=self.allocate(blocks_for(tail_tokens, self.block_size)),
-                          sources=sources, device_hits=device_hits, host_hits=host_hits, disk_hits=acq.disk_hits)
+                          sources=sources, device_hits=device_hits, host_hits=host_hits,
+                          disk_hits=acq.disk_hits + hits[2])
 
     def _plan_pieces(self, specs: Sequence[ChunkSpec], prefix: list[Node], start: int, rule: RecomputeRule | None,
-                     fresh_above: float, sources: list[Node]) -> tuple[list[ChunkPiece], tuple[int, int]]:
+                     fresh_above: float, sources: list[Node]) -> tuple[list[ChunkPiece], tuple[int, int, int]]:
         """The pieces after ``prefix``, each served from its lowest-CFO variant (locked, on device,
         appended to ``sources``) or computed fresh; ``rule`` None: every piece fresh. Also returns
-        how many variants were found on device and how many were swapped in from host."""
+        how many variants were found on device, swapped in from host, and read from the disk tier."""
         keys, lengths, first_part = _part_keys(specs)
-        pieces, on_device, swapped = [], 0, 0
+        pieces, on_device, swapped, from_disk = [], 0, 0, []
         for i in range(len(prefix), len(specs)):
             spec = specs[i]
             context = keys[: first_part[i]]
             use = None
             if rule is not None and spec.chunk and keys[first_part[i]] == spec.key:  # a document's first occurrence
-                use = self._plan_variant(spec, context, lengths[: first_part[i]], start, rule, prefix + sources)
+                use = self._plan_variant(spec, context, lengths[: first_part[i]], start, rule, prefix + sources,
+                                         fresh_above, from_disk)
             if use is not None and rule.kind == "cfo" and use.cfo > fresh_above:
                 use = None
             if use is not None:
-                was_on_device = use.node.in_device
+                was_on_device = use.node.in_device and use.node not in from_disk
                 if self._acquire_node(use.node):
                     sources.append(use.node)
                     on_device += was_on_device
-                    swapped += not was_on_device
+                    swapped += not was_on_device and use.node not in from_disk
                 else:
                     use = None
             pieces.append(ChunkPiece(spec, start, context, [], use))
             start += spec.num_tokens
-        return pieces, (on_device, swapped)
+        read = sum(1 for n in sources if n in from_disk)
+        return pieces, (on_device, swapped, read)
 
     def _plan_variant(self, spec: ChunkSpec, context: tuple[str, ...], lengths: Sequence[int], start: int,
-                      rule: RecomputeRule, held: list[Node]) -> VariantUse | None:
-        """The lowest-CFO usable variant of ``spec``'s chunk for ``context`` (not yet locked), or None."""
+                      rule: RecomputeRule, held: list[Node], fresh_above: float = 1.0,
+                      from_disk: list[Node] | None = None) -> VariantUse | None:
+        """The lowest-CFO usable variant of ``spec``'s chunk for ``context`` (not yet locked), or None.
+
+        With a disk tier, the variants of the chunk that only the disk holds compete too; if one of
+        them wins (and its CFO is at most ``fresh_above``) its path is read back and brought to
+        device (appended to ``from_disk``); if that fails, the best resident variant is used."""
         cands = [n for n in self.variants(spec.key)
                  if n.num_tokens == spec.num_tokens and n not in held
                  and (n.in_device or n.parent is None or n.parent.is_root or n.parent.in_device)]
-        if not cands:
+        on_disk = self._disk_variants(spec) if from_disk is not None else []
+        if not cands and not on_disk:
             return None
         cands.sort(key=lambda n: n.approximate)  # on equal CFO, a variant computed exactly wins (stable sort)
-        choice = choose_with_rule([n.variant.stats for n in cands], context, rule, lengths)
-        node = next(n for n in cands if n.variant.stats is choice.stats)
+        choice = choose_with_rule([n.variant.stats for n in cands] + [e.variant.stats for e in on_disk],
+                                  context, rule, lengths)
+        node = next((n for n in cands if n.variant.stats is choice.stats), None)
+        if node is None:
+            if rule.kind == "cfo" and choice.cfo > fresh_above:
+                return None  # computed fresh anyway: nothing to read
+            entry = next(e for e in on_disk if e.variant.stats is choice.stats)
+            node = self._load_variant(entry)
+            if node is None or node in held:
+                return self._plan_variant(spec, context, lengths, start, rule, held, fresh_above) if cands else None
+            from_disk.append(node)
+            choice = choose_with_rule([node.variant.stats], context, rule, lengths)
         return VariantUse(node, choice.cfo, choice.recompute, start - node.variant.start)
+
+    def _disk_variants(self, spec: ChunkSpec) -> list[DiskEntry]:
+        """Variants of ``spec``'s chunk that only the disk tier holds (this fingerprint and length;
+        a variant whose node is resident is planned from memory)."""
+        disk = self._disk
+        if disk is None or self.host_budget_bytes == 0:
+            return []
+        found = [e for e in disk.variants(spec.key)
+                 if e.variant.fingerprint == self.variant_fingerprint and e.num_tokens == spec.num_tokens]
+        if not found:
+            return []
+        resident = {self._path_key(n) for n in self.variants_any(spec.key)}
+        return [e for e in found if e.path_key not in resident]
+
+    def _load_variant(self, entry: DiskEntry) -> Node | None:
+        """Read a disk-only variant's path back (its ancestors too: a node's KV is only valid after
+        its own prefix, and a node on device needs its parent there) and bring it all to device,
+        unlocked, as a resident variant is before planning locks it. None, with nothing held, if a
+        file is gone or fails its checksum (it is deleted), or there is no room."""
+        keys = self._disk.path_keys(entry.path_key) if self._disk is not None else None
+        if keys is None:
+            return None
+        match, _ = self._match_with_disk([SegmentKey(k) for k in keys])
+        if len(match.nodes) != len(keys):
+            return None
+        nodes = list(match.nodes)
+        for n in nodes:
+            self._lock(n)  # room made for one must not evict the others
+        try:
+            placed = all(n.in_device or self._swap_in(n) for n in nodes)
+        finally:
+            for n in nodes:
+                self._unlock(n)
+        node = nodes[-1]
+        if node.variant is None:  # resident already, computed by a request that recorded no variant
+            self._restore_variant(node, entry.variant)
+        return node if placed and node.variant is not None else None
+
+    def _restore_variant(self, node: Node, info: VariantInfo | None) -> None:
+        """Make ``node`` (read back from disk) a variant again, if ``info`` is one of this model's
+        and fits it; the caps apply as to a new variant."""
+        if (info is None or info.fingerprint != self.variant_fingerprint or info.stats.chunk != node.key
+                or info.stats.length != node.num_tokens or node.variant is not None or node.approximate):
+            return
+        node.variant = replace(info)
+        self._variants.setdefault(SegmentKey(info.stats.chunk), []).append(node)
+        self._enforce_variant_caps(node)
 
     def _acquire_node(self, node: Node) -> bool:
         """Lock ``node`` and make sure it is on device (its parent already is, and stays there while
@@ -672,6 +738,7 @@ class TieredCache:
                 node.frequency, node.total_cost, node.num_computed = entry.frequency, entry.avg_cost, 1
                 self._lock(node)
                 loaded.append(node)
+                self._restore_variant(node, entry.variant)
                 self._set_priority(node, HOST)
                 parent = node
         finally:
@@ -727,7 +794,8 @@ class TieredCache:
                 else:
                     k, v = self._mover.host_tensors(self._mover.swap_out(n.device_blocks or (), n.num_tokens))
                     copied += self._mover.host_nbytes(n.num_tokens)
-                if not disk.put(pkey, parent, n.key, k, v, n.stats()):
+                info = n.variant if n.variant is not None and n.variant.fingerprint == self.variant_fingerprint else None
+                if not disk.put(pkey, parent, n.key, k, v, n.stats(), variant=info):
                     break  # skipped (writer behind, or too large): its descendants would be orphans
                 queued += 1
         self.stats.disk_queued += queued
