@@ -162,7 +162,7 @@ def build_input(plan: PromptPlan, lease: ChunkLease, *, rule: RecomputeRule, gua
     elif not full and reused and rule.focus_window is not None:
         focus = _focus(lead, lease, rows, len(new_tokens), rule.focus_window)
     stats = tuple(stat_lengths) if stat_keys else None
-    guarded = guard and rule.guard is not None
+    guarded = guard and rule.guard is not None and bool(reused)  # nothing reused: no deviation to measure
     if len(positions) == pos + len(plan.rest) - lease.cached_tokens and blend is None and focus is None:
         # every token past the prefix is computed through every layer: an ordinary prefill over the
         # prefix, which takes the causal kernels instead of a masked one

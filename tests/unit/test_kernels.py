@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from ragcache_backend.model.kernels import apply_rope, attention, prefix_causal_bias, prefix_causal_mask, rerotate, rope_cos_sin
+from ragcache_backend.model.kernels import (apply_rope, attention, prefix_causal_bias, prefix_causal_mask, rerotate, rope_cos_sin,
+                                           segment_attention_mass)
 
 
 def _inv_freq(dim: int, theta: float = 10000.0) -> torch.Tensor:
@@ -119,3 +120,24 @@ def test_prompt_rows_are_bit_identical_with_or_without_a_cached_prefix():
         assert torch.equal(warm, cold[cached:]), cached
     decode = attention_over_prefix(q[-1:], k, v, scale=0.125, plan=attention_plan(699, 1, torch.bfloat16, decode=True))
     assert (decode.float() - cold[-1:].float()).abs().max().item() < 2e-2  # generated tokens: a faster form
+
+
+@pytest.mark.parametrize("hq,hkv,block", [(4, 4, 512), (6, 2, 7), (3, 1, 1)])
+def test_segment_attention_mass_matches_a_per_head_softmax(hq, hkv, block):
+    torch.manual_seed(0)
+    t, s, d, nseg = 23, 40, 16, 5
+    q, k = torch.randn(t, hq, d), torch.randn(s, hkv, d)
+    positions = torch.sort(torch.randperm(s)[:t]).values  # explicit positions, not a contiguous run
+    segments = torch.randint(0, nseg, (s,))  # not ascending: any key -> segment map
+    got = segment_attention_mass(q, k, positions, segments, nseg, scale=0.3, block_rows=block)
+    want = torch.zeros(t, hq, nseg)
+    for h in range(hq):
+        kh = k[:, h // (hq // hkv)]
+        for i in range(t):
+            p = int(positions[i])
+            w = torch.softmax((kh[: p + 1] @ q[i, h]) * 0.3, dim=0)
+            want[i, h].index_add_(0, segments[: p + 1], w)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(got.sum(-1), torch.ones(t, hq))
+    with pytest.raises(ValueError):
+        segment_attention_mass(q, k, positions, segments, nseg, scale=0.3, block_rows=0)

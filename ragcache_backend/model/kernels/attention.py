@@ -44,8 +44,12 @@ def position_mask(positions: torch.Tensor, num_ctx: int) -> torch.Tensor:
 
 
 def segment_attention_mass(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor,
-                           num_segments: int, *, scale: float) -> torch.Tensor:
+                           num_segments: int, *, scale: float, block_rows: int = 512) -> torch.Tensor:
     """Softmax mass each query gives each context segment (Cache-Craft eq. 3-4), float32 reference.
+
+    Computed ``block_rows`` queries at a time (the scores of a block are ``[Hq, block_rows, S]``
+    float32, so memory stays bounded for long prompts); each KV head's query group shares one
+    matmul (no repeated keys); the causal limit is an additive bias per block.
 
     Args:
         q: ``[T, Hq, D]`` queries (RoPE applied); k: ``[S, Hkv, D]`` the whole context's keys.
@@ -53,24 +57,38 @@ def segment_attention_mass(q: torch.Tensor, k: torch.Tensor, positions: torch.Te
         segments: ``[S]`` int64 segment index of each key, each in ``[0, num_segments)``.
         num_segments: number of segments.
         scale: softmax scale.
+        block_rows: queries per block (>= 1).
 
     Returns:
         ``[T, Hq, num_segments]`` float32; each ``[t, h]`` row sums to 1.
 
     Raises:
-        ValueError: shapes that disagree or a segment index out of range.
+        ValueError: shapes that disagree, a segment index out of range or ``block_rows < 1``.
     """
     t, hq, d = q.shape
     s, hkv, _ = k.shape
-    if positions.shape != (t,) or segments.shape != (s,) or hq % hkv or (s and int(segments.max()) >= num_segments):
+    if (positions.shape != (t,) or segments.shape != (s,) or hq % hkv or block_rows < 1
+            or (s and int(segments.max()) >= num_segments)):
         raise ValueError(f"segment_attention_mass: q {tuple(q.shape)}, k {tuple(k.shape)}, positions "
-                         f"{tuple(positions.shape)}, segments {tuple(segments.shape)} / {num_segments}")
-    kh = k.float().repeat_interleave(hq // hkv, dim=1).transpose(0, 1)  # [Hq, S, D]
-    scores = torch.bmm(q.float().transpose(0, 1), kh.transpose(1, 2)).mul_(scale)  # [Hq, T, S]
-    scores.masked_fill_(~position_mask(positions, s)[None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+                         f"{tuple(positions.shape)}, segments {tuple(segments.shape)} / {num_segments}, "
+                         f"block_rows {block_rows}")
+    group = hq // hkv
+    kt = k.float().permute(1, 2, 0).contiguous()  # [Hkv, D, S]
+    qg = q.float().view(t, hkv, group, d).permute(1, 2, 0, 3)  # [Hkv, G, T, D]
     onehot = F.one_hot(segments.to(torch.int64), num_segments).float()  # [S, nseg]
-    return torch.matmul(probs, onehot).transpose(0, 1).contiguous()  # [T, Hq, nseg]
+    keys = torch.arange(s, device=k.device)
+    out = torch.empty((t, hq, num_segments), dtype=torch.float32, device=q.device)
+    for lo in range(0, t, block_rows):
+        hi = min(t, lo + block_rows)
+        b = hi - lo
+        qb = qg[:, :, lo:hi].reshape(hkv, group * b, d)
+        scores = torch.bmm(qb, kt).view(hkv, group, b, s)
+        bias = torch.zeros((b, s), dtype=torch.float32, device=k.device)
+        bias.masked_fill_(keys[None, :] > positions[lo:hi, None], float("-inf"))
+        probs = torch.softmax(scores.mul_(scale).add_(bias), dim=-1)
+        mass = torch.mm(probs.view(-1, s), onehot).view(hkv, group, b, num_segments)
+        out[lo:hi] = mass.permute(2, 0, 1, 3).reshape(b, hq, num_segments)
+    return out
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
