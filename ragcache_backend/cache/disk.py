@@ -12,11 +12,11 @@ off the request's critical path and read back when a prefix match runs past what
   also in each file's metadata and checked on load.
 * **Integrity.** Each file holds tensors ``k`` and ``v``, ``[layers, tokens, kv_heads, head_dim]``
   in the model's dtype, and metadata (strings): format, fingerprint, path key, parent path key,
-  segment key, token count and the SHA-256 of the tensors' bytes (and of the variant record, below). A file is written to a
-  temporary name, fsync'ed and renamed (atomic on POSIX): a kill -9 mid-write leaves at most a
-  ``.tmp`` file, removed at the next start. A truncated, corrupt or foreign file is detected on
-  load (or at the start-up scan), logged, deleted and reported as a miss: the caller recomputes
-  it, it is never served. Files are never unpickled (safetensors only).
+  segment key, token count and the SHA-256 of the tensors' bytes (and of the variant record,
+  below). A file is written to a temporary name, fsync'ed and renamed (atomic on POSIX): a kill -9
+  mid-write leaves at most a ``.tmp`` file, removed at the next start. A truncated, corrupt or
+  foreign file is detected on load (or at the start-up scan), logged, deleted and reported as a
+  miss: the caller recomputes it, it is never served. Files are never unpickled (safetensors only).
 * **Budget and policy.** The folder holds at most ``budget_bytes``; over it, the entry with the
   lowest priority under the cache's policy (PGDSF by default, eq. 1/3, with its own clock, eq. 2)
   *among entries no other entry hangs from* is deleted, as the memory tiers evict leaves first
