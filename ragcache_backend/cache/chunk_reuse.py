@@ -289,6 +289,10 @@ class VariantInfo:
     fingerprint: str
     reuse_score: float = 0.0
 
+    def fits(self, chunk: str, num_tokens: int) -> bool:
+        """True if this record describes segment ``chunk`` of ``num_tokens`` tokens."""
+        return self.stats.chunk == chunk and self.stats.length == num_tokens
+
 
 #: Version of :func:`variant_to_json`'s layout; another version is refused on read.
 VARIANT_JSON_VERSION = 1

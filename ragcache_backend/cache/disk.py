@@ -346,7 +346,7 @@ class DiskStore:
         if tuple(k.shape) != shape or tuple(v.shape) != shape or k.dtype != self.dtype or v.dtype != self.dtype:
             raise InvalidRequestError(f"KV of shape {tuple(k.shape)} {k.dtype} does not fit the disk tier's "
                                       f"{shape} {self.dtype}")
-        if variant is not None and (variant.stats.chunk != key or variant.stats.length != n):
+        if variant is not None and not variant.fits(key, n):
             raise InvalidRequestError(f"a variant of {variant.stats.chunk} ({variant.stats.length} tokens) cannot be "
                                       f"stored as segment {key} of {n} tokens")
         nbytes = k.nbytes + v.nbytes + 1024
@@ -534,7 +534,7 @@ class DiskStore:
                 except ValueError as exc:
                     self._drop_corrupt(path, f"bad variant record ({exc})")
                     continue
-                if variant.stats.chunk != meta["key"] or variant.stats.length != int(meta["num_tokens"]):
+                if not variant.fits(meta["key"], int(meta["num_tokens"])):
                     self._drop_corrupt(path, "its variant record is for another chunk")
                     continue
             found[pkey] = DiskEntry(pkey, meta["parent"], meta["key"], int(meta["num_tokens"]), nbytes,

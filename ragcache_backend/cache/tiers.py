@@ -369,12 +369,18 @@ class TieredCache:
         """
         if node.is_root or not node.resident or not self._tree.contains(node):
             raise InvalidRequestError(f"{node!r} is not a resident node of the knowledge tree")
+        if self._index_variant(node, info):
+            self.stats.variants_added += 1
+
+    def _index_variant(self, node: Node, info: VariantInfo) -> bool:
+        """Give ``node`` the record ``info``, index it by chunk if it was no variant yet, and apply
+        the caps (``node`` is never the one evicted). Returns True if it was no variant yet."""
         fresh = node.variant is None
         node.variant = info
         if fresh:
             self._variants.setdefault(SegmentKey(info.stats.chunk), []).append(node)
-            self.stats.variants_added += 1
         self._enforce_variant_caps(node)
+        return fresh
 
     def admit_chunks(self, specs: Sequence[ChunkSpec], tail_tokens: int, *, exact_upto: int,
                      rule: RecomputeRule, fresh_above: float = 1.0) -> ChunkLease | None:
@@ -443,7 +449,7 @@ class TieredCache:
         appended to ``sources``) or computed fresh; ``rule`` None: every piece fresh. Also returns
         how many variants were found on device, swapped in from host, and read from the disk tier."""
         keys, lengths, first_part = _part_keys(specs)
-        pieces, on_device, swapped, from_disk = [], 0, 0, []
+        pieces, on_device, swapped, read, from_disk = [], 0, 0, 0, []
         for i in range(len(prefix), len(specs)):
             spec = specs[i]
             context = keys[: first_part[i]]
@@ -454,16 +460,16 @@ class TieredCache:
             if use is not None and rule.kind == "cfo" and use.cfo > fresh_above:
                 use = None
             if use is not None:
-                was_on_device = use.node.in_device and use.node not in from_disk
+                fetched, was_on_device = use.node in from_disk, use.node.in_device
                 if self._acquire_node(use.node):
                     sources.append(use.node)
-                    on_device += was_on_device
-                    swapped += not was_on_device and use.node not in from_disk
+                    read += fetched
+                    on_device += was_on_device and not fetched
+                    swapped += not was_on_device and not fetched
                 else:
                     use = None
             pieces.append(ChunkPiece(spec, start, context, [], use))
             start += spec.num_tokens
-        read = sum(1 for n in sources if n in from_disk)
         return pieces, (on_device, swapped, read)
 
     def _plan_variant(self, spec: ChunkSpec, context: tuple[str, ...], lengths: Sequence[int], start: int,
@@ -535,12 +541,10 @@ class TieredCache:
     def _restore_variant(self, node: Node, info: VariantInfo | None) -> None:
         """Make ``node`` (read back from disk) a variant again, if ``info`` is one of this model's
         and fits it; the caps apply as to a new variant."""
-        if (info is None or info.fingerprint != self.variant_fingerprint or info.stats.chunk != node.key
-                or info.stats.length != node.num_tokens or node.variant is not None or node.approximate):
+        if (info is None or info.fingerprint != self.variant_fingerprint or not info.fits(node.key, node.num_tokens)
+                or node.variant is not None or node.approximate):
             return
-        node.variant = replace(info)
-        self._variants.setdefault(SegmentKey(info.stats.chunk), []).append(node)
-        self._enforce_variant_caps(node)
+        self._index_variant(node, replace(info))  # restored, not added: variants_added is not counted
 
     def _acquire_node(self, node: Node) -> bool:
         """Lock ``node`` and make sure it is on device (its parent already is, and stays there while

@@ -16,10 +16,10 @@ from safetensors import safe_open
 from safetensors.torch import save as st_save
 
 from ragcache_backend.cache.chunk_reuse import VariantInfo, VariantStats, variant_from_json, variant_to_json
-from ragcache_backend.config import EngineConfig
 from ragcache_backend.engine.engine import RAGCacheEngine
 from ragcache_backend.model.sampling import SamplingParams
 from tests.unit.test_chunk_engine import DOCS, assert_clean
+from tests.unit.test_chunk_engine import make as make_chunk_engine
 
 GREEDY = SamplingParams(max_tokens=8)
 FIRST = ("What is the GIL?", DOCS[:3])
@@ -27,10 +27,8 @@ SECOND = ("Why are tuples hashable?", [DOCS[1], DOCS[2], DOCS[0]])  # every docu
 
 
 def make(model, profile, folder: Path | None, **kw) -> RAGCacheEngine:
-    cfg = dict(device_budget_bytes=8 * 1024 * 1024, host_budget_bytes=16 * 1024 * 1024, reuse="auto", chunk_guard=None,
-               chunk_fresh_above=1.0, chunk_alpha=1.0, disk_dir=folder)
-    cfg.update(kw)
-    return RAGCacheEngine(EngineConfig(**cfg), loaded=model, profile=profile)
+    """test_chunk_engine's chunk engine with its disk tier in ``folder`` (None: memory only)."""
+    return make_chunk_engine(model, profile, disk_dir=folder, **kw)
 
 
 def variant_files(engine: RAGCacheEngine) -> list[Path]:
