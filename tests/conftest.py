@@ -10,6 +10,7 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAGCACHE_CHECK_INVARIANTS", "1")  # every engine checks the cache after every step
 
 import pytest
 import torch

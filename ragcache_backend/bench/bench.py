@@ -96,7 +96,7 @@ def run_ours(loaded, profile, prompts, arrivals, system: OurSystem, *, device_by
         records = []
         for h, segs in zip(handles, prompts):
             # cacheable segments on the request's path (system prompt + documents): the node-hit denominator
-            rec = {"cache_nodes": len(engine.plan(segs).lead)}
+            rec = {"cache_nodes": len(engine.prompt_plan(segs).lead)}
             try:
                 r = h.result(timeout=3600)
             except Exception as exc:  # reported, never dropped

@@ -20,7 +20,7 @@ from ragcache_backend.prompts.builder import plan_prompt
 
 @dataclass(slots=True)
 class _NoKV:
-    nbytes: int
+    num_tokens: int
 
 
 class _CountingMover:
@@ -28,7 +28,10 @@ class _CountingMover:
         self.bytes_per_token = bytes_per_token
 
     def swap_out(self, blocks, num_tokens):
-        return _NoKV(self.host_nbytes(num_tokens))
+        return _NoKV(num_tokens)
+
+    def kv_tokens(self, host_kv) -> int:
+        return host_kv.num_tokens
 
     def swap_in(self, host_kv, blocks) -> None:
         pass

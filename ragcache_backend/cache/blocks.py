@@ -1,17 +1,19 @@
 """Free-list allocator of fixed-size KV blocks in the device arena.
 
 Following vLLM (RAGCache §5.1), KV tensors live in non-contiguous blocks of ``block_size`` tokens.
-This module only hands out block *ids* (plain ints ``0 .. num_blocks - 1``); the runner owns the
-arena tensor indexed by them. Not thread-safe: callers serialize access.
+This module only hands out block *ids* (plain ints ``0 .. num_blocks - 1``) and names a run of
+tokens stored in them (:class:`KVRun`); the model's KV arena owns the tensors indexed by them.
+Not thread-safe: callers serialize access.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from ragcache_backend.errors import CacheBudgetError, InvalidRequestError
 
-__all__ = ["BlockAllocator", "blocks_for"]
+__all__ = ["BlockAllocator", "KVRun", "blocks_for"]
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -88,3 +90,19 @@ class BlockAllocator:
             seen.add(b)
         self._used.difference_update(ids)
         self._free.extend(reversed(ids))
+
+
+@dataclass(slots=True, frozen=True)
+class KVRun:
+    """A run of consecutive tokens stored in device blocks.
+
+    Attributes:
+        blocks: block ids; token ``i`` of the run lives at slot
+            ``blocks[(start + i) // block_size] * block_size + (start + i) % block_size``.
+        start: index of the run's first token within its blocks, in tokens.
+        length: number of tokens, >= 0.
+    """
+
+    blocks: tuple[int, ...]
+    start: int
+    length: int

@@ -18,10 +18,12 @@ off the request's critical path and read back when a prefix match runs past what
   foreign file is detected on load (or at the start-up scan), logged, deleted and reported as a
   miss: the caller recomputes it, it is never served. Files are never unpickled (safetensors only).
 * **Budget and policy.** The folder holds at most ``budget_bytes``; over it, the entry with the
-  lowest priority under the cache's policy (PGDSF by default, eq. 1/3, with its own clock, eq. 2)
-  *among entries no other entry hangs from* is deleted, as the memory tiers evict leaves first
-  (a child is unreachable without its parent's KV). Statistics (frequency, mean cost per
-  token) are stored with the file so that priorities survive a restart.
+  lowest priority under the cache's policy (PGDSF by default, eq. 1/3, with its own clock, eq. 2;
+  one :class:`~ragcache_backend.cache.evictor.Evictor`, as every tier) *among entries no other
+  entry, written or queued, hangs from* is deleted, as the memory tiers evict leaves first (a
+  child is unreachable without its parent's KV). A file whose parent is not on disk is never
+  written or indexed. Statistics (frequency, mean cost per token) are stored with the file so
+  that priorities survive a restart.
 * **Writes off the critical path.** :meth:`DiskStore.put` queues tensors already copied to host
   memory; one writer thread serialises, checksums and writes them. If the queue holds more than
   ``max_pending_bytes`` a put is skipped (counted), never blocking a request. A failed write (full
@@ -41,6 +43,7 @@ Thread-safety: the index is guarded by a lock; the engine thread calls ``lookup`
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -49,8 +52,9 @@ import re
 import struct
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -58,6 +62,8 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from ragcache_backend.cache.chunk_reuse import VariantInfo, variant_from_json, variant_to_json
+from ragcache_backend.cache.evictor import Evictor
+from ragcache_backend.cache.knowledge_tree import TierName, path_key
 from ragcache_backend.cache.policy import NodeStats, get_policy
 from ragcache_backend.errors import InvalidRequestError
 
@@ -73,20 +79,6 @@ _NAME = re.compile(r"^[0-9a-f]{32}$")
 MiB = 1 << 20
 
 
-def path_key(parent: str, key: str) -> str:
-    """The path key of a node: a hash chained over its path's segment keys (32 hex chars).
-
-    Args:
-        parent: the parent's path key ("" for a child of the root).
-        key: the node's segment key.
-    """
-    digest = hashlib.sha256(b"ragcache-path-v1\x00")
-    digest.update(parent.encode())
-    digest.update(b"/")
-    digest.update(key.encode())
-    return digest.hexdigest()[:32]
-
-
 def _kv_digest(k: torch.Tensor, v: torch.Tensor, variant: str = "") -> str:
     """SHA-256 of the tensors' bytes, then of the variant record (if any): a file without a variant
     has the same digest as before variants were stored."""
@@ -99,7 +91,7 @@ def _kv_digest(k: torch.Tensor, v: torch.Tensor, variant: str = "") -> str:
     return digest.hexdigest()
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class DiskEntry:
     """One file of the disk tier (index record).
 
@@ -112,9 +104,10 @@ class DiskEntry:
         frequency, avg_cost: the node's statistics when written, updated on disk hits (PGDSF input:
             requests, seconds per token).
         last_access: the tier's access counter at the last write or hit.
-        priority: eviction priority under the policy (lowest goes first).
+        priority: eviction priority under the policy (lowest goes first), under ``"disk"``.
         children: entries whose parent this is (an entry with children is never evicted).
         variant: the node's chunk-variant record, when it is one (None otherwise).
+        serial: index order (the last tie-breaker of eviction).
     """
 
     path_key: str
@@ -125,9 +118,14 @@ class DiskEntry:
     frequency: int = 1
     avg_cost: float = 0.0
     last_access: int = 0
-    priority: float = 0.0
+    priority: dict[str, float] = field(default_factory=dict)
     children: int = 0
     variant: VariantInfo | None = None
+    serial: int = 0
+
+    def stats(self) -> NodeStats:
+        """What the policy sees of the entry."""
+        return NodeStats(self.frequency, self.avg_cost, self.num_tokens, self.last_access)
 
 
 @dataclass(slots=True)
@@ -136,8 +134,8 @@ class DiskStats:
 
     Attributes:
         writes: files written. write_failures: writes that failed (full disk, I/O error).
-        skipped: puts not queued (writer behind by more than ``max_pending_bytes``, or a node
-            larger than the budget). corrupt: files found truncated, corrupt or foreign, and
+        skipped: puts not queued (writer behind by more than ``max_pending_bytes``, a node
+            larger than the budget, or a node whose parent is not on disk). corrupt: files found truncated, corrupt or foreign, and
             deleted. evictions: files deleted to stay in budget. loaded: files read back.
         write_s, read_s: seconds spent writing (writer thread) and reading + verifying files.
     """
@@ -193,14 +191,15 @@ class DiskStore:
         self.budget_bytes = budget_bytes
         self.max_pending_bytes = max_pending_bytes
         self.stats = DiskStats()
-        self._policy = get_policy(policy)
-        self._clock = 0.0
+        self._evictor: Evictor[DiskEntry] = Evictor(TierName.DISK, get_policy(policy), self._is_leaf)
         self._access = 0
+        self._serial = itertools.count(1)
         self._lock = threading.Lock()
         self._entries: dict[str, DiskEntry] = {}
         self._by_chunk: dict[str, set[str]] = {}  # chunk key -> path keys of its variants' entries
         self._used = 0
         self._pending: dict[str, int] = {}  # path key -> bytes queued for writing
+        self._pending_children: Counter[str] = Counter()  # parent path key -> its children queued
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._closed = False
         self._scan()
@@ -212,6 +211,11 @@ class DiskStore:
     def used_bytes(self) -> int:
         """Bytes of the files in the index."""
         return self._used
+
+    @property
+    def clock(self) -> float:
+        """The tier's logical clock (eq. 2)."""
+        return self._evictor.clock
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -283,7 +287,24 @@ class DiskStore:
                 entry.frequency += 1
                 self._access += 1
                 entry.last_access = self._access
-                entry.priority = self._priority(entry)
+                self._evictor.reprice(entry)
+
+    def eviction_order(self) -> list[str]:
+        """Path keys of the entries that may be evicted now, first victim first (a view)."""
+        with self._lock:
+            return [e.path_key for e in self._evictor.order()]
+
+    def delete(self, pkey: str) -> None:
+        """Delete entry ``pkey``'s file (no-op if absent).
+
+        Raises:
+            InvalidRequestError: other entries hang from it (they would be orphans).
+        """
+        with self._lock:
+            e = self._entries.get(pkey)
+            if e is not None and (e.children or self._pending_children[pkey]):
+                raise InvalidRequestError(f"disk entry {pkey} has children on disk: delete them first")
+        self._forget(pkey, delete=True)
 
     def _verify(self, data: bytes, pkey: str) -> tuple[str, tuple[torch.Tensor, torch.Tensor] | None]:
         """``("", (k, v))`` for a good file, else ``(what is wrong, None)``."""
@@ -327,7 +348,8 @@ class DiskStore:
     def put(self, pkey: str, parent: str, key: str, k: torch.Tensor, v: torch.Tensor, stats: NodeStats,
             variant: VariantInfo | None = None) -> bool:
         """Queue a node's KV for writing; returns False (nothing queued) when it is already on disk
-        or queued, larger than the budget, or the writer is behind by ``max_pending_bytes``.
+        or queued, larger than the budget, its parent is neither on disk nor queued (the file would
+        be an orphan), or the writer is behind by ``max_pending_bytes``.
 
         Args:
             pkey, parent, key: the node's path key, its parent's path key, its segment key.
@@ -353,10 +375,12 @@ class DiskStore:
         with self._lock:
             if self._closed or pkey in self._entries or pkey in self._pending:
                 return False
-            if nbytes > self.budget_bytes or sum(self._pending.values()) + nbytes > self.max_pending_bytes:
+            orphan = parent != "" and parent not in self._entries and parent not in self._pending
+            if orphan or nbytes > self.budget_bytes or sum(self._pending.values()) + nbytes > self.max_pending_bytes:
                 self.stats.skipped += 1
                 return False
             self._pending[pkey] = nbytes
+            self._pending_children[parent] += 1
         record = None if variant is None else replace(variant)  # the caller's copy goes on changing (f_r)
         entry = DiskEntry(pkey, parent, key, n, nbytes, max(1, stats.frequency), stats.avg_cost, variant=record)
         self._queue.put(_Job(entry, k.detach().cpu(), v.detach().cpu()))
@@ -392,7 +416,7 @@ class DiskStore:
             except Exception:  # a bug must not kill the writer: log it, drop the job
                 log.exception("disk tier: writing %s failed", job.entry.path_key)
                 with self._lock:
-                    self._pending.pop(job.entry.path_key, None)
+                    self._done(job.entry)
 
     def _write(self, job: _Job) -> None:
         t0 = time.perf_counter()
@@ -417,38 +441,64 @@ class DiskStore:
             log.warning("disk tier: could not write %s (%s); it stays in memory only", final.name, exc)
             tmp.unlink(missing_ok=True)
             with self._lock:
-                self._pending.pop(e.path_key, None)
+                self._done(e)
             return
         e.nbytes = len(data)
         self.stats.writes += 1
         self.stats.write_s += time.perf_counter() - t0
         with self._lock:
-            self._pending.pop(e.path_key, None)
-            self._add(e)
-            self._evict_over_budget()
+            self._done(e)
+            if self._add(e):
+                self._evict_over_budget()
+            else:  # its parent left the disk meanwhile (it can only have been damaged)
+                final.unlink(missing_ok=True)
+
+    def _done(self, e: DiskEntry) -> None:
+        """A queued write finished or failed (lock held)."""
+        if self._pending.pop(e.path_key, None) is not None:
+            self._pending_children[e.parent] -= 1
+            if self._pending_children[e.parent] <= 0:
+                del self._pending_children[e.parent]
+                parent = self._entries.get(e.parent)
+                if parent is not None:
+                    self._evictor.offer(parent)
 
     # ---- index ---------------------------------------------------------------------------------
     def _file(self, pkey: str) -> Path:
         return self.directory / f"{pkey}{_SUFFIX}"
 
-    def _priority(self, e: DiskEntry) -> float:
-        return self._policy(NodeStats(e.frequency, e.avg_cost, e.num_tokens, e.last_access), self._clock)
+    def _is_leaf(self, e: DiskEntry) -> bool:
+        """An entry may be evicted when it is indexed and no entry, written or queued, hangs from it."""
+        return e.children == 0 and not self._pending_children.get(e.path_key) and self._entries.get(e.path_key) is e
 
-    def _add(self, e: DiskEntry) -> None:
-        """Put ``e`` in the index (lock held)."""
+    def _add(self, e: DiskEntry) -> bool:
+        """Put ``e`` in the index (lock held); False (not indexed) when its parent is not on disk."""
+        if e.parent and e.parent not in self._entries:
+            return False
         old = self._entries.get(e.path_key)
         if old is not None:
             self._used -= old.nbytes
             e.children = old.children
+            self._unindex(old)
+            self._evictor.forget(old)
         elif e.parent in self._entries:
             self._entries[e.parent].children += 1
         self._access += 1
         e.last_access = self._access
-        e.priority = self._priority(e)
+        e.serial = next(self._serial)
         self._entries[e.path_key] = e
+        self._evictor.reprice(e)
         self._used += e.nbytes
         if e.variant is not None:
             self._by_chunk.setdefault(e.key, set()).add(e.path_key)
+        return True
+
+    def _child_gone(self, parent_key: str) -> None:
+        """One child of ``parent_key`` left the index (lock held): the parent may become a candidate."""
+        parent = self._entries.get(parent_key)
+        if parent is not None:
+            parent.children -= 1
+            self._evictor.offer(parent)
 
     def _unindex(self, e: DiskEntry) -> None:
         """Take ``e`` out of the variant index (lock held)."""
@@ -465,10 +515,9 @@ class DiskStore:
             if e is None:
                 return
             self._unindex(e)
+            self._evictor.forget(e)
             self._used -= e.nbytes
-            parent = self._entries.get(e.parent)
-            if parent is not None:
-                parent.children -= 1
+            self._child_gone(e.parent)
         if delete:
             self._file(pkey).unlink(missing_ok=True)
 
@@ -481,17 +530,15 @@ class DiskStore:
     def _evict_over_budget(self) -> None:
         """Delete the lowest-priority childless entries until within budget (lock held)."""
         while self._used > self.budget_bytes:
-            leaves = [e for e in self._entries.values() if e.children == 0]
-            if not leaves:
-                return
-            victim = min(leaves, key=lambda e: (e.priority, e.last_access))
-            self._clock = max(self._clock, victim.priority)  # eq. 2
+            try:
+                victim = self._evictor.pop()  # the clock advances (eq. 2)
+            except LookupError:
+                return  # every entry has children or queued children
             del self._entries[victim.path_key]
             self._unindex(victim)
+            self._evictor.forget(victim)
             self._used -= victim.nbytes
-            parent = self._entries.get(victim.parent)
-            if parent is not None:
-                parent.children -= 1
+            self._child_gone(victim.parent)
             self._file(victim.path_key).unlink(missing_ok=True)
             self.stats.evictions += 1
 

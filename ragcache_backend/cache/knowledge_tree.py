@@ -7,13 +7,17 @@ prefix; the first segment of a request (the system prompt) is a child of the roo
 matching walks children by segment key and stops at the first missing or non-resident node,
 O(h) for a tree of height h.
 
+Every node also has a *path key* (:func:`path_key`): a hash chained over the segment keys from the
+root, the node's identity outside this process (the disk tier's file names; a remote tier's keys).
+
 This module is plain bookkeeping: where a node's KV lives (device block ids, an opaque host
-handle) is recorded here but moved and freed by :mod:`ragcache_backend.cache.tiers`. Not thread-safe:
-callers serialize access.
+handle) is recorded here but moved and freed by the tier classes (:mod:`ragcache_backend.cache.stack`).
+Not thread-safe: callers serialize access.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -23,7 +27,7 @@ from ragcache_backend.cache.chunk_reuse import VariantInfo
 from ragcache_backend.cache.policy import NodeStats
 from ragcache_backend.errors import InvalidRequestError
 
-__all__ = ["TierName", "SegmentKey", "Node", "KnowledgeTree", "approximate_key"]
+__all__ = ["TierName", "SegmentKey", "Node", "KnowledgeTree", "approximate_key", "path_key"]
 
 SegmentKey = NewType("SegmentKey", str)
 """Content hash of a segment's token ids (computed by the caller)."""
@@ -38,11 +42,26 @@ def approximate_key(key: SegmentKey) -> SegmentKey:
     return key if key.startswith(_APPROX) else SegmentKey(_APPROX + key)
 
 
+def path_key(parent: str, key: str) -> str:
+    """The path key of a node: a hash chained over its path's segment keys (32 hex chars).
+
+    Args:
+        parent: the parent's path key ("" for a child of the root).
+        key: the node's segment key.
+    """
+    digest = hashlib.sha256(b"ragcache-path-v1\x00")
+    digest.update(parent.encode())
+    digest.update(b"/")
+    digest.update(key.encode())
+    return digest.hexdigest()[:32]
+
+
 class TierName(StrEnum):
-    """Cache tiers, fastest first (RAGCache Fig. 8: GPU, host)."""
+    """Cache tiers, fastest first (RAGCache Fig. 8: GPU, host; then our disk tier)."""
 
     DEVICE = "device"
     HOST = "host"
+    DISK = "disk"
 
 
 @dataclass(slots=True, eq=False)
@@ -69,6 +88,7 @@ class Node:
             position and reuse score.
         approximate: the KV was computed over reused chunk caches (or is a reused chunk): its key
             is :func:`approximate_key` of the segment's, and so are its descendants'.
+        path_key: :func:`path_key` of the node's path ("" for the root).
     """
 
     key: SegmentKey | None
@@ -86,6 +106,7 @@ class Node:
     serial: int = 0
     variant: VariantInfo | None = None
     approximate: bool = False
+    path_key: str = ""
 
     @property
     def is_root(self) -> bool:
@@ -177,7 +198,8 @@ class KnowledgeTree:
             raise InvalidRequestError(f"segment {key!r} is already a child of this parent")
         if num_tokens < 0:
             raise InvalidRequestError(f"num_tokens must be >= 0, got {num_tokens}")
-        node = Node(key=key, num_tokens=num_tokens, parent=parent, serial=self._next_serial)
+        node = Node(key=key, num_tokens=num_tokens, parent=parent, serial=self._next_serial,
+                    path_key=path_key(parent.path_key, key))
         self._next_serial += 1
         parent.children[key] = node
         self._num_nodes += 1

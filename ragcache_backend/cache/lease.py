@@ -1,82 +1,27 @@
-"""What a request holds in the cache between admission and release (plain data).
+"""What a request holds in the cache between admission and release (plain data), in every reuse mode.
 
 The engine asks :meth:`ragcache_backend.cache.tiers.TieredCache.admit` for a :class:`Lease` with the
 request's cacheable lead (one :class:`SegmentSpec` per segment, in prompt order) and the number of
 tokens it will compute past the lead (the prompt's rest plus ``max_tokens``). The lease says which
-prefix nodes are reused (locked, on device), where each missing lead segment's KV must be written
-(``pending``, then inserted as tree nodes by ``commit``) and where the rest goes (``tail_blocks``,
-request-owned, freed by ``release``).
+prefix nodes are reused (locked, on device), where each other lead segment's KV must be written
+(one :class:`Piece` each, inserted as tree nodes by ``commit``), which of those are filled from a
+cached chunk variant (Cache-Craft §3, chunk modes only), and where the rest goes
+(``tail_blocks``, request-owned, freed by ``finish``).
+
+An exact request's lease is the same object with no variant in use: one interface for the
+engine's batch building (:meth:`Lease.prefill_runs`, :meth:`Lease.decode_runs`) and its results
+(hit counts, cached and recomputed tokens), whatever the mode.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from ragcache_backend.cache.blocks import KVRun
 from ragcache_backend.cache.knowledge_tree import Node, SegmentKey
 
-__all__ = ["ChunkLease", "ChunkPiece", "ChunkSpec", "ContextPart", "Lease", "PendingSegment", "SegmentSpec", "VariantUse"]
+__all__ = ["ChunkLease", "ChunkPiece", "ChunkSpec", "ContextPart", "Lease", "Piece", "SegmentSpec", "VariantUse"]
 
-
-@dataclass(slots=True, frozen=True)
-class SegmentSpec:
-    """A cacheable prompt segment as the cache sees it.
-
-    Attributes:
-        key: content hash of the segment's token ids (the knowledge-tree child key).
-        num_tokens: its length in tokens, >= 1.
-    """
-
-    key: SegmentKey
-    num_tokens: int
-
-
-@dataclass(slots=True)
-class PendingSegment:
-    """A lead segment the request computes: its KV goes to ``blocks``, then becomes a node."""
-
-    spec: SegmentSpec
-    blocks: list[int]
-
-
-@dataclass(slots=True)
-class Lease:
-    """A request's hold on the cache (RAGCache §5.1: lock the matched path, own the new blocks).
-
-    Attributes:
-        path: locked tree nodes in prompt order: the reused prefix, then (after ``commit``) the
-            nodes inserted for the pending segments.
-        reused: how many nodes at the start of ``path`` were served from the cache.
-        pending: lead segments still to compute and insert, in prompt order.
-        tail_blocks: request-owned device blocks for the tokens past the lead (prompt rest and
-            generated tokens), ``ceil(tail_tokens / block_size)`` of them.
-        device_hits, host_hits: reused nodes found on device / swapped in from host.
-        disk_hits: reused nodes read back from the disk tier (then swapped in; not in ``host_hits``).
-        committed: ``commit`` ran (pending segments are now nodes of ``path``).
-        released: ``release`` ran; the lease holds nothing any more.
-    """
-
-    path: list[Node]
-    reused: int
-    pending: list[PendingSegment]
-    tail_blocks: list[int]
-    device_hits: int = 0
-    host_hits: int = 0
-    disk_hits: int = 0
-    committed: bool = False
-    released: bool = False
-
-    @property
-    def cached_tokens(self) -> int:
-        """Prompt tokens served from the cache (the reused prefix)."""
-        return sum(n.num_tokens for n in self.path[: self.reused])
-
-    @property
-    def pending_tokens(self) -> int:
-        """Lead tokens this request computes."""
-        return sum(p.spec.num_tokens for p in self.pending)
-
-
-# ---- chunk-cache mode (Cache-Craft §3) ------------------------------------------------------------
 
 @dataclass(slots=True, frozen=True)
 class ContextPart:
@@ -94,25 +39,30 @@ class ContextPart:
 
 
 @dataclass(slots=True, frozen=True)
-class ChunkSpec:
-    """A prompt segment as chunk-mode admission sees it.
+class SegmentSpec:
+    """A cacheable prompt segment as the cache sees it.
 
     Attributes:
-        key: content hash of its token ids.
-        num_tokens: length in tokens, >= 1.
-        chunk: True for a document: reusable at any position from a cached variant, and recorded
-            as a variant when computed.
+        key: content hash of the segment's token ids (the knowledge-tree child key).
+        num_tokens: its length in tokens, >= 1.
+        chunk: True for a document in a chunk mode: reusable at any position from a cached variant,
+            and recorded as a variant when computed. False (exact mode, or text that is no document):
+            served only as an exact prefix.
         parts: how its tokens split into :class:`ContextPart` (lengths sum to ``num_tokens``); a
             document is one part with its own key. Empty: one part, the segment's key.
     """
 
     key: SegmentKey
     num_tokens: int
-    chunk: bool
+    chunk: bool = False
     parts: tuple[ContextPart, ...] = ()
 
     def context_parts(self) -> tuple[ContextPart, ...]:
         return self.parts or (ContextPart(self.key, self.num_tokens),)
+
+
+ChunkSpec = SegmentSpec
+"""The chunk modes' name for :class:`SegmentSpec` (same type)."""
 
 
 @dataclass(slots=True)
@@ -133,19 +83,20 @@ class VariantUse:
 
 
 @dataclass(slots=True)
-class ChunkPiece:
-    """One segment of a chunk-mode request past its exact prefix.
+class Piece:
+    """One lead segment a request writes itself (past its reused prefix).
 
     Attributes:
         spec: the segment.
         start: position of its first token in the prompt.
-        context: the ids of the context parts before it (``context_keys``: unique within the prompt).
+        context: the ids of the context parts before it (``context_keys``: unique within the prompt;
+            empty in exact mode, where no statistics are recorded).
         blocks: where its KV is written (request-owned until ``commit`` hands them to a node).
-        use: the variant it is served from, or None: computed in full.
+        use: the chunk variant it is served from, or None: computed in full.
         node: after ``commit``: the tree node that owns its KV (exact or approximate), else None.
     """
 
-    spec: ChunkSpec
+    spec: SegmentSpec
     start: int
     context: tuple[str, ...]
     blocks: list[int]
@@ -153,31 +104,38 @@ class ChunkPiece:
     node: Node | None = None
 
 
+ChunkPiece = Piece
+"""The chunk modes' name for :class:`Piece` (same type)."""
+
+
 @dataclass(slots=True)
-class ChunkLease:
-    """A chunk-mode request's hold on the cache: an exact prefix from the knowledge tree, then
-    every other segment in request-owned blocks, some filled from cached variants.
+class Lease:
+    """A request's hold on the cache (RAGCache §5.1: lock the matched path, own the new blocks).
 
     Attributes:
-        prefix: locked tree nodes served exactly (RAGCache §5.1), in prompt order.
-        pieces: the remaining lead segments, in prompt order.
-        tail_blocks: blocks for the prompt's rest and the generated tokens.
+        prefix: locked tree nodes served from the cache, in prompt order (exact nodes; in the
+            chunk modes also approximate ones built over earlier chunk reuse).
+        pieces: the other lead segments, in prompt order: computed, or fixed from a variant.
+        tail_blocks: request-owned device blocks for the tokens past the lead (prompt rest and
+            generated tokens), ``ceil(tail_tokens / block_size)`` of them.
         sources: the variant nodes ``pieces`` copy from (locked until commit or finish).
-        device_hits, host_hits: prefix nodes and variants found on device / swapped in.
-        disk_hits: prefix nodes read back from the disk tier.
-        committed, released: as :class:`Lease`.
+        device_hits, host_hits: prefix nodes and variants found on device / swapped in from host.
+        disk_hits: reused nodes read back from the disk tier (then swapped in; not in ``host_hits``).
+        committed: ``commit`` ran (the pieces are now tree nodes).
+        released: ``finish`` ran; the lease holds nothing any more.
     """
 
     prefix: list[Node]
-    pieces: list[ChunkPiece]
+    pieces: list[Piece]
     tail_blocks: list[int]
-    sources: list[Node]
+    sources: list[Node] = field(default_factory=list)
     device_hits: int = 0
     host_hits: int = 0
     disk_hits: int = 0
     committed: bool = False
     released: bool = False
 
+    # ---- token counts ---------------------------------------------------------------------------
     @property
     def cached_tokens(self) -> int:
         """Prompt tokens served from the tree's prefix (exact and approximate nodes)."""
@@ -189,6 +147,11 @@ class ChunkLease:
         return sum(n.num_tokens for n in self.prefix if n.approximate)
 
     @property
+    def pending_tokens(self) -> int:
+        """Lead tokens this request writes (computed or fixed)."""
+        return sum(p.spec.num_tokens for p in self.pieces)
+
+    @property
     def reused_tokens(self) -> int:
         """Tokens served from chunk variants without recomputation (approximate hits)."""
         return sum(p.spec.num_tokens - len(p.use.recompute) for p in self.pieces if p.use is not None)
@@ -197,3 +160,49 @@ class ChunkLease:
     def recomputed_tokens(self) -> int:
         """Tokens of reused chunks recomputed over the new context."""
         return sum(len(p.use.recompute) for p in self.pieces if p.use is not None)
+
+    @property
+    def chunk_hits(self) -> int:
+        """Pieces served from a chunk variant."""
+        return sum(p.use is not None for p in self.pieces)
+
+    # ---- the exact protocol's view ----------------------------------------------------------------
+    @property
+    def reused(self) -> int:
+        """How many nodes at the start of :attr:`path` were served from the cache."""
+        return len(self.prefix)
+
+    @property
+    def path(self) -> list[Node]:
+        """The prefix, then (after ``commit``) the nodes inserted for the pieces."""
+        return list(self.prefix) + [p.node for p in self.pieces if p.node is not None]
+
+    @property
+    def pending(self) -> list[Piece]:
+        """Pieces not yet inserted as tree nodes."""
+        return [p for p in self.pieces if p.node is None]
+
+    # ---- where the KV is, for the forward pass ----------------------------------------------------
+    def prefix_runs(self) -> tuple[KVRun, ...]:
+        """The reused prefix's KV, in position order."""
+        return tuple(KVRun(tuple(n.device_blocks or ()), 0, n.num_tokens) for n in self.prefix)
+
+    def piece_runs(self, rest_tokens: int) -> tuple[KVRun, ...]:
+        """Where the pieces' KV is written (in order), then the prompt's ``rest_tokens``."""
+        runs = [KVRun(tuple(p.blocks), 0, p.spec.num_tokens) for p in self.pieces]
+        runs.append(KVRun(tuple(self.tail_blocks), 0, rest_tokens))
+        return tuple(runs)
+
+    def context_runs(self, rest_tokens: int) -> tuple[KVRun, ...]:
+        """The prompt's KV in position order: the prefix, every piece, the prompt's rest."""
+        return self.prefix_runs() + self.piece_runs(rest_tokens)
+
+    def decode_runs(self, position: int) -> tuple[tuple[KVRun, ...], tuple[KVRun, ...]]:
+        """For a decode step whose new token sits at ``position`` (tokens past the lead): the
+        context it attends to (prefix, pieces, tail up to ``position``) and where it is written."""
+        tail = tuple(self.tail_blocks)
+        return self.context_runs(0)[:-1] + (KVRun(tail, 0, position),), (KVRun(tail, position, 1),)
+
+
+ChunkLease = Lease
+"""The chunk modes' name for :class:`Lease` (same type)."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from ragcache_backend.cache.chunk_reuse import RecomputeRule
-from ragcache_backend.cache.lease import ChunkLease, Lease
+from ragcache_backend.cache.lease import Lease
 from ragcache_backend.model.sampling import SamplingParams
 from ragcache_backend.prompts.builder import PromptPlan, Segment
 from ragcache_backend.prompts.detokenizer import IncrementalText
@@ -194,8 +194,7 @@ class Request:
         reuse: how the cache serves it (exact prefixes, chunk caches, or both).
         recompute: which tokens of a reused chunk are recomputed (chunk modes).
         store: keep what it computes in the cache (False: an evaluation's dry run; chunk modes).
-        lease: the request's hold on the cache from admission to finish (a ``ChunkLease`` in the
-            chunk modes).
+        lease: the request's hold on the cache from admission to finish.
         generated: sampled token ids so far (stop token excluded).
         next_token: the last sampled token, fed to the next decode step.
         computed: prompt tokens this request prefilled (recomputed ones included).
@@ -203,7 +202,8 @@ class Request:
         chunk_cached: tokens served from chunk variants without recomputation.
         guarded: reused chunks the quality guard recomputed in full.
         deviation: the guard's signal (see ``GenerationResult.chunk_deviation``).
-        layout: a chunk-mode prefill's :class:`~ragcache_backend.engine.chunk_step.ChunkLayout`.
+        layout: how the prefill's rows map to the lease's pieces
+            (:class:`~ragcache_backend.engine.batch.ChunkLayout`).
         retried: the request failed before its first token and runs again by recomputation.
     """
 
@@ -221,7 +221,7 @@ class Request:
     reuse: ReuseMode = "exact"
     recompute: RecomputeRule | None = None
     store: bool = True
-    lease: Lease | ChunkLease | None = None
+    lease: Lease | None = None
     generated: list[int] = field(default_factory=list)
     next_token: int | None = None
     computed: int = 0

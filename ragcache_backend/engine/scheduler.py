@@ -12,7 +12,7 @@ request is admitted ahead of an older pending request, that older request's ``by
 grows by one; a request bypassed ``window`` times is admitted next (oldest first), so no request
 is overtaken by more than ``window`` later arrivals. ``reorder=False`` gives plain FIFO.
 
-**Per-step plan.** Every running request decodes one token per step. Pending requests are
+**Each step.** Every running request decodes one token per step. Pending requests are
 admitted for prefill while the step has fewer than ``max_batch_size`` sequences and the new
 tokens of the step (one per decode plus each prefill's computed tokens) stay within
 ``max_batch_tokens``. A prompt larger than the whole token budget is admitted only into a step
@@ -126,7 +126,7 @@ class PendingRequest:
 
 
 @dataclass(slots=True, frozen=True)
-class StepPlan:
+class ScheduledStep:
     """One forward step: requests to decode (one token each) and to admit for prefill, in order."""
 
     decode: tuple[int, ...]
@@ -207,7 +207,7 @@ class Scheduler:
         rest.sort(key=lambda e: (-e.priority, e.seq))
         return starving + rest
 
-    def plan(self) -> StepPlan:
+    def schedule(self) -> ScheduledStep:
         """The next forward step (does not change state: call :meth:`start` for each admitted)."""
         cfg = self.config
         decode = tuple(self._running)
@@ -227,4 +227,4 @@ class Scheduler:
                     break
                 else:
                     break  # keep the order: never admit a later request past one that waits
-        return StepPlan(decode, tuple(prefill))
+        return ScheduledStep(decode, tuple(prefill))

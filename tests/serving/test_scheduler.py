@@ -21,22 +21,22 @@ def test_reorder_admits_highest_cached_to_computed_ratio_first():
     s.add(3, cached=200, compute=100)   # 2.0
     s.add(4, cached=400, compute=50)    # 8.0
     assert [e.rid for e in s.order()] == [4, 2, 3, 1]
-    assert s.plan().prefill == (4,)
+    assert s.schedule().prefill == (4,)
 
 
 def test_ties_keep_arrival_order_and_fifo_when_reorder_off():
     s = Scheduler(SchedulerConfig(max_batch_size=4, reorder=True))
     s.add(7, 100, 100)
     s.add(5, 100, 100)
-    assert s.plan().prefill == (7, 5)
+    assert s.schedule().prefill == (7, 5)
     f = Scheduler(SchedulerConfig(max_batch_size=4, reorder=False))
     f.add(1, 0, 100)
     f.add(2, 900, 10)
-    assert f.plan().prefill == (1, 2)
+    assert f.schedule().prefill == (1, 2)
 
 
 def _admit_one(s: Scheduler) -> int:
-    rid = s.plan().prefill[0]
+    rid = s.schedule().prefill[0]
     s.start(rid)
     s.remove(rid)  # finished at once: leaves the running set
     return rid
@@ -59,7 +59,7 @@ def test_window_zero_is_fifo_and_bypass_counts_only_older_requests():
     s = Scheduler(SchedulerConfig(max_batch_size=1, reorder=True, window=0))
     s.add(1, 0, 10)
     s.add(2, 99, 1)
-    assert s.plan().prefill == (1,)
+    assert s.schedule().prefill == (1,)
     w = Scheduler(SchedulerConfig(max_batch_size=1, reorder=True, window=5))
     w.add(1, 0, 10)
     w.add(2, 99, 1)
@@ -72,11 +72,11 @@ def test_plan_respects_batch_size_and_token_budget():
     s = Scheduler(SchedulerConfig(max_batch_size=4, max_batch_tokens=300, reorder=False))
     for rid, compute in [(1, 100), (2, 150), (3, 100), (4, 10)]:
         s.add(rid, 0, compute)
-    plan = s.plan()
+    plan = s.schedule()
     assert plan.prefill == (1, 2)  # 100 + 150 fit; 3 would exceed 300 and 4 may not pass it
     for rid in plan.prefill:
         s.start(rid)
-    plan = s.plan()  # two decodes take 2 slots and 2 tokens
+    plan = s.schedule()  # two decodes take 2 slots and 2 tokens
     assert plan.decode == (1, 2) and plan.prefill == (3, 4)
     assert len(plan.decode) + sum(s.entry(r).compute for r in plan.prefill) <= 300
 
@@ -85,9 +85,9 @@ def test_oversize_prompt_runs_alone_instead_of_starving():
     s = Scheduler(SchedulerConfig(max_batch_size=4, max_batch_tokens=64, reorder=False))
     s.add(1, 0, 1000)
     s.add(2, 0, 10)
-    assert s.plan().prefill == (1,)
+    assert s.schedule().prefill == (1,)
     s.start(1)
-    assert s.plan() .prefill == (2,)
+    assert s.schedule() .prefill == (2,)
 
 
 def test_full_running_set_admits_nothing_and_remove_works_everywhere():
@@ -96,7 +96,7 @@ def test_full_running_set_admits_nothing_and_remove_works_everywhere():
         s.add(rid, 0, 5)
     s.start(1)
     s.start(2)
-    plan = s.plan()
+    plan = s.schedule()
     assert plan.decode == (1, 2) and plan.prefill == ()
     assert s.remove(3) and s.remove(1) and not s.remove(42)
     assert s.running == (2,) and s.pending == () and len(s) == 1

@@ -40,6 +40,9 @@ class SimulatedMover:
     def host_nbytes(self, num_tokens: int) -> int:
         return num_tokens * self.bytes_per_token
 
+    def kv_tokens(self, host_kv: SimHostKV) -> int:
+        return host_kv.num_tokens
+
     def free_host(self, host_kv: SimHostKV) -> None:
         assert host_kv.serial in self.live, "double free of a host buffer"
         del self.live[host_kv.serial]

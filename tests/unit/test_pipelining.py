@@ -82,7 +82,7 @@ def test_kept_speculation_answers_exactly_as_the_final_documents(engine):
 
 
 def test_stale_speculation_is_terminated_its_text_never_seen_and_blocks_freed(engine):
-    slow = SamplingParams(max_tokens=200, stop=())
+    slow = SamplingParams(max_tokens=1000, stop=())  # generates for longer than the 0.4 s stage on a fast CPU
     final = engine.generate(Q, [A, C], slow, use_cache=False)
     engine.reset_cache()
     text: list[str] = []

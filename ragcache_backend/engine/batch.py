@@ -1,22 +1,24 @@
-"""A chunk-mode request's prefill (Cache-Craft §3.2-3.4): the engine's side, as plain data.
+"""From a request's lease to the runner's input and back, in every reuse mode (plain data).
 
-The cache's :class:`~ragcache_backend.cache.lease.ChunkLease` says, for every segment past the exact
-prefix, where its KV goes and which cached variant (if any) serves it. This module turns that into
-one :class:`~ragcache_backend.model.runner.ForwardInput`:
+The cache's :class:`~ragcache_backend.cache.lease.Lease` says, for every lead segment past the
+reused prefix, where its KV goes and which cached chunk variant (if any) serves it (Cache-Craft
+§3, chunk modes only). This module is the one place that turns it into a
+:class:`~ragcache_backend.model.forward.ForwardInput`, and the forward's outputs back into what
+the cache records:
 
-1. each reused variant's KV is copied into the request's blocks with its keys re-rotated to the new
-   position (:meth:`ModelRunner.copy_rerotated`);
-2. the new tokens are every token of a fresh segment, the chosen tokens of each reused chunk (eq.
-   14) and the prompt's rest, each at its own position, attending causally over the merged context;
-3. attention statistics are asked for when a fresh document will become a variant, over the
-   prompt's context parts (:func:`context_parts`: the attention sink, each document, and windows of
-   16 tokens of any other text, so that a question inside a template counts apart from the
-   template's stable instructions; eq. 3-4), and the KV deviation of the recomputed tokens when
-   the quality guard is on.
-
-After the forward, :func:`variant_stats` turns the runner's per-row attention mass into each new
-variant's statistics and :func:`guard_flags` says which reused chunks moved too far and must be
-recomputed in full (a second pass, :func:`build_input` with ``full``).
+1. :func:`lead_specs`: the cache's view of a prompt's lead (documents are chunks in the chunk modes);
+2. :func:`prefill_input`: each reused variant's KV is copied into the request's blocks with its keys
+   re-rotated to the new position (:meth:`KVArena.copy_rerotated`); the new tokens are every token
+   of a fresh segment, the chosen tokens of each reused chunk (eq. 14) and the prompt's rest, each
+   at its own position. An exact request is the case with nothing reused: an ordinary prefill
+   over its prefix. Attention statistics are asked for when a fresh document will become a
+   variant, over the prompt's context parts (:func:`context_parts`: the attention sink, each
+   document, and windows of 16 tokens of any other text, eq. 3-4), and the KV deviation of the
+   recomputed tokens when the quality guard is on;
+3. :func:`decode_input`: one generated token over the whole context;
+4. after the forward: :func:`variant_stats` (each new variant's statistics), :func:`guard_flags`
+   (reused chunks that moved too far and are recomputed in full by a second pass, :func:`prefill_input`
+   with ``full``) and :func:`recomputed_tokens`.
 """
 
 from __future__ import annotations
@@ -26,14 +28,16 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ragcache_backend.cache.blocks import KVRun
 from ragcache_backend.cache.chunk_reuse import SINK_KEY, SINK_TOKENS, RecomputeRule, VariantStats, context_keys, stats_from_mass
-from ragcache_backend.cache.lease import ChunkLease, ChunkSpec, ContextPart
+from ragcache_backend.cache.lease import ContextPart, Lease, SegmentSpec
+from ragcache_backend.model.arena import KVArena
 from ragcache_backend.model.chunk_rows import BlendSelection, FocusSelection
-from ragcache_backend.model.runner import MAX_STAT_SEGMENTS, ForwardInput, KVRun, ModelRunner, SegmentAttention
-from ragcache_backend.prompts.builder import PromptPlan, SegmentKind
+from ragcache_backend.model.forward import MAX_STAT_SEGMENTS, ForwardInput, SegmentAttention
+from ragcache_backend.prompts.builder import PromptPlan, Segment, SegmentKind
 
-__all__ = ["ChunkLayout", "build_input", "chunk_deviations", "chunk_specs", "context_parts", "context_runs",
-           "copy_variants", "guard_flags", "variant_stats"]
+__all__ = ["ChunkLayout", "chunk_deviations", "context_parts", "copy_variants", "decode_input", "guard_flags", "lead_specs",
+           "prefill_input", "recomputed_tokens", "variant_stats"]
 
 _REST_KEY = "<rest>"
 TEXT_WINDOW = 16
@@ -41,7 +45,7 @@ TEXT_WINDOW = 16
 segment limit)."""
 
 
-def context_parts(lead: Sequence, rest_tokens: int) -> list[tuple[ContextPart, ...]]:
+def context_parts(lead: Sequence[Segment]) -> list[tuple[ContextPart, ...]]:
     """Per lead segment, its context parts: a document is one part (its key); other text is cut
     into windows of :data:`TEXT_WINDOW` tokens keyed by content; the prompt's first tokens (the
     attention sink, :data:`SINK_TOKENS`) are a part of their own. Windows widen so that the parts
@@ -68,15 +72,18 @@ def context_parts(lead: Sequence, rest_tokens: int) -> list[tuple[ContextPart, .
     return out
 
 
-def chunk_specs(lead: Sequence, rest_tokens: int) -> list[ChunkSpec]:
-    """The cache's view of a prompt's lead segments (documents are chunks)."""
-    return [ChunkSpec(s.key, len(s), s.kind is SegmentKind.DOCUMENT, parts)
-            for s, parts in zip(lead, context_parts(lead, rest_tokens))]
+def lead_specs(lead: Sequence[Segment], *, chunks: bool) -> list[SegmentSpec]:
+    """The cache's view of a prompt's lead segments: with ``chunks`` (the chunk modes) documents
+    are chunks, and every segment carries its context parts; otherwise plain exact segments."""
+    if not chunks:
+        return [SegmentSpec(s.key, len(s)) for s in lead]
+    return [SegmentSpec(s.key, len(s), s.kind is SegmentKind.DOCUMENT, parts)
+            for s, parts in zip(lead, context_parts(lead))]
 
 
 @dataclass(slots=True, frozen=True)
 class ChunkLayout:
-    """How one chunk-mode forward input maps back to the lease's pieces.
+    """How one prefill input maps back to the lease's pieces.
 
     Attributes:
         rows: per piece, the indices (into ``new_tokens``) of its computed tokens.
@@ -95,26 +102,18 @@ class ChunkLayout:
     piece_segment: tuple[int, ...]
 
 
-def context_runs(lease: ChunkLease, rest_tokens: int) -> tuple[KVRun, ...]:
-    """The prompt's KV in position order: exact prefix nodes, every piece, the prompt's rest."""
-    runs = [KVRun(tuple(n.device_blocks or ()), 0, n.num_tokens) for n in lease.prefix]
-    runs += [KVRun(tuple(p.blocks), 0, p.spec.num_tokens) for p in lease.pieces]
-    runs.append(KVRun(tuple(lease.tail_blocks), 0, rest_tokens))
-    return tuple(runs)
-
-
-def copy_variants(lease: ChunkLease, runner: ModelRunner) -> None:
+def copy_variants(lease: Lease, arena: KVArena) -> None:
     """Copy every reused variant's KV into its piece's blocks, keys re-rotated by the position delta."""
     for piece in lease.pieces:
         if piece.use is not None:
             node = piece.use.node
             src = KVRun(tuple(node.device_blocks or ()), 0, node.num_tokens)
-            runner.copy_rerotated(src, KVRun(tuple(piece.blocks), 0, piece.spec.num_tokens), piece.use.delta)
+            arena.copy_rerotated(src, KVRun(tuple(piece.blocks), 0, piece.spec.num_tokens), piece.use.delta)
 
 
-def build_input(plan: PromptPlan, lease: ChunkLease, *, rule: RecomputeRule, guard: bool = True,
-                full: frozenset[int] = frozenset()) -> tuple[ForwardInput, ChunkLayout]:
-    """The forward input of a chunk-mode prefill (after :func:`copy_variants`).
+def prefill_input(plan: PromptPlan, lease: Lease, *, rule: RecomputeRule, guard: bool = True,
+                  full: frozenset[int] = frozenset()) -> tuple[ForwardInput, ChunkLayout]:
+    """The forward input of a prefill (after :func:`copy_variants` when chunks are reused).
 
     Args:
         plan: the request's prompt plan (its lead segments match the lease's prefix + pieces).
@@ -140,21 +139,8 @@ def build_input(plan: PromptPlan, lease: ChunkLease, *, rule: RecomputeRule, gua
         pos += piece.spec.num_tokens
     new_tokens.extend(plan.rest)
     positions.extend(range(pos, pos + len(plan.rest)))
-    parts = context_parts(lead, len(plan.rest))
-    first_part, flat = [], []
-    for seg_parts in parts:
-        first_part.append(len(flat))
-        flat.extend(seg_parts)
-    keys = context_keys([part.key for part in flat])
-    recorded = tuple(
-        piece.spec.chunk and (piece.use is None or i in full) and keys[first_part[n_prefix + i]] == piece.spec.key
-        for i, piece in enumerate(lease.pieces))
-    skip = 1 if flat and flat[0].key == SINK_KEY else 0
-    stat_lengths = [part.num_tokens for part in flat] + [len(plan.rest)]
-    stat_keys = keys + (_REST_KEY,)
-    if not any(recorded) or len(stat_lengths) > MAX_STAT_SEGMENTS:
-        recorded, stat_keys, stat_lengths = (False,) * len(lease.pieces), (), []
-    runs = context_runs(lease, len(plan.rest))
+    recorded, stat_keys, stat_lengths, skip, piece_segment = _statistics(plan, lease, full)
+    runs = lease.context_runs(len(plan.rest))
     blend = focus = None
     reused = [i for i, p in enumerate(lease.pieces) if p.use is not None and i not in full and rows[i]]
     if not full and reused and rule.kind == "blend":
@@ -165,17 +151,37 @@ def build_input(plan: PromptPlan, lease: ChunkLease, *, rule: RecomputeRule, gua
     guarded = guard and rule.guard is not None and bool(reused)  # nothing reused: no deviation to measure
     if len(positions) == pos + len(plan.rest) - lease.cached_tokens and blend is None and focus is None:
         # every token past the prefix is computed through every layer: an ordinary prefill over the
-        # prefix, which takes the causal kernels instead of a masked one
+        # prefix, which takes the causal kernels instead of a masked one (always so in exact mode)
         item = ForwardInput(tuple(new_tokens), runs[:n_prefix], runs[n_prefix:], stat_segments=stats, guard=guarded)
     else:
         item = ForwardInput(tuple(new_tokens), runs, (), positions=tuple(positions), stat_segments=stats,
                             guard=guarded, blend=blend, focus=focus)
-    layout = ChunkLayout(tuple(rows), recorded, stat_keys, tuple(stat_lengths), skip,
-                         tuple(first_part[n_prefix + i] for i in range(len(lease.pieces))))
-    return item, layout
+    return item, ChunkLayout(tuple(rows), recorded, stat_keys, tuple(stat_lengths), skip, piece_segment)
 
 
-def _focus(lead, lease: ChunkLease, rows: list[tuple[int, ...]], num_rows: int, window: int) -> FocusSelection | None:
+def _statistics(plan: PromptPlan, lease: Lease, full: frozenset[int]):
+    """Which pieces record variant statistics, and the statistics segments (none in exact mode)."""
+    n_prefix, none = len(lease.prefix), (False,) * len(lease.pieces)
+    if not any(p.spec.chunk and (p.use is None or i in full) for i, p in enumerate(lease.pieces)):
+        return none, (), [], 0, (0,) * len(lease.pieces)
+    first_part, flat = [], []
+    for seg_parts in context_parts(plan.lead):
+        first_part.append(len(flat))
+        flat.extend(seg_parts)
+    keys = context_keys([part.key for part in flat])
+    recorded = tuple(
+        piece.spec.chunk and (piece.use is None or i in full) and keys[first_part[n_prefix + i]] == piece.spec.key
+        for i, piece in enumerate(lease.pieces))
+    skip = 1 if flat and flat[0].key == SINK_KEY else 0
+    stat_lengths = [part.num_tokens for part in flat] + [len(plan.rest)]
+    stat_keys = keys + (_REST_KEY,)
+    piece_segment = tuple(first_part[n_prefix + i] for i in range(len(lease.pieces)))
+    if not any(recorded) or len(stat_lengths) > MAX_STAT_SEGMENTS:
+        return none, (), [], skip, piece_segment
+    return recorded, stat_keys, stat_lengths, skip, piece_segment
+
+
+def _focus(lead, lease: Lease, rows: list[tuple[int, ...]], num_rows: int, window: int) -> FocusSelection | None:
     """Algorithm 1's input: every document's span, the stoppable rows of the reused ones, and the
     rows after the last document as the question (they attend to every chunk); None with fewer
     than three documents (the algorithm needs a gap between two groups)."""
@@ -196,7 +202,14 @@ def _focus(lead, lease: ChunkLease, rows: list[tuple[int, ...]], num_rows: int, 
     return FocusSelection(tuple(spans), tuple(groups), question, window)
 
 
-def recomputed_tokens(lease: ChunkLease, layout: ChunkLayout, depth: Sequence[int] | None, num_layers: int) -> int:
+def decode_input(lease: Lease, token: int, position: int) -> ForwardInput:
+    """The one-token decode step feeding ``token`` (the last sampled one), which sits ``position``
+    tokens past the lead."""
+    context, target = lease.decode_runs(position)
+    return ForwardInput((token,), context, target, decode=True)
+
+
+def recomputed_tokens(lease: Lease, layout: ChunkLayout, depth: Sequence[int] | None, num_layers: int) -> int:
     """Tokens of reused chunks recomputed, in full-depth equivalents: a token recomputed through
     ``l`` of ``L`` layers (CacheBlend-style selection, Algorithm 1) counts ``l / L``."""
     total = 0.0
@@ -207,7 +220,7 @@ def recomputed_tokens(lease: ChunkLease, layout: ChunkLayout, depth: Sequence[in
     return round(total)
 
 
-def variant_stats(lease: ChunkLease, layout: ChunkLayout, attention: SegmentAttention | None) -> list[VariantStats | None]:
+def variant_stats(lease: Lease, layout: ChunkLayout, attention: SegmentAttention | None) -> list[VariantStats | None]:
     """Per piece, the statistics of the variant it becomes (None: not recorded)."""
     out: list[VariantStats | None] = []
     for piece, rows, rec, own in zip(lease.pieces, layout.rows, layout.recorded, layout.piece_segment):
@@ -219,7 +232,7 @@ def variant_stats(lease: ChunkLease, layout: ChunkLayout, attention: SegmentAtte
     return out
 
 
-def chunk_deviations(lease: ChunkLease, layout: ChunkLayout, deviation: Sequence[float] | None) -> dict[int, float]:
+def chunk_deviations(lease: Lease, layout: ChunkLayout, deviation: Sequence[float] | None) -> dict[int, float]:
     """Per reused piece with recomputed tokens: the mean relative change of those tokens' K/V
     (the quality guard's signal; how far reuse had moved this chunk's computation)."""
     if deviation is None:

@@ -1,0 +1,520 @@
+"""The engine's core: one step loop that every caller's requests go through (RAGCache §5.1-5.2).
+
+The loop runs on one background thread that owns the runner and the cache (neither is
+thread-safe), as nano-vllm's ``step()`` drives its scheduler, block manager and model runner.
+Each :meth:`EngineCore.step`:
+
+1. takes new requests and cancellations;
+2. refreshes each waiting request's cached / to-compute estimate (knowledge-tree match) and asks
+   the :class:`~ragcache_backend.engine.scheduler.Scheduler` which requests run (cache-aware
+   reordering);
+3. **admits** the scheduled prefills through the cache's protocol (:meth:`TieredCache.admit`:
+   match, lock, swap in, choose chunk variants, allocate); "no room now" is a ``None`` the loop
+   waits on, "can never fit" fails the request at once;
+4. runs **one** forward step over every admitted prefill and every running decode (continuous
+   batching), the inputs built from each request's lease by :mod:`ragcache_backend.engine.batch`;
+5. **commits** each prefill (its segments become tree nodes, PGDSF statistics, chunk variants;
+   in the chunk modes a reused chunk the quality guard flags is first recomputed in full by a
+   second forward of that request), samples, streams text, and **finishes** requests that
+   stopped: their lease is released on success, error and cancellation alike.
+
+Nothing is inserted into the tree before its prefill succeeded, so a failed or cancelled request
+never leaves a poisoned entry. A request that fails before its first token with an error that is
+not its own fault runs once more, computing everything (RAGCache §6).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ragcache_backend.engine import batch
+from ragcache_backend.engine.request import FinishReason, GenerationResult, Request, RequestMetrics
+from ragcache_backend.engine.setup import EngineParts
+from ragcache_backend.errors import CacheBudgetError, InvalidRequestError, RAGCacheError, RequestCancelledError
+from ragcache_backend.model.forward import StepOutput
+from ragcache_backend.model.sampling import sample_token
+from ragcache_backend.prompts.builder import PromptPlan, Segment, plan_prompt
+
+log = logging.getLogger("ragcache_backend.engine.engine")
+
+__all__ = ["EngineClosedError", "EngineCore", "EngineStats"]
+
+CHECK_INVARIANTS_ENV = "RAGCACHE_CHECK_INVARIANTS"
+"""Set to 1 to run the cache's ``check_invariants`` after every step (the test suite does)."""
+
+
+class EngineClosedError(RAGCacheError):
+    """The engine is closed (or closing) and takes no new request."""
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Totals over the engine's life (for ``ragcache bench``).
+
+    Attributes:
+        steps: forward steps run.
+        forward_s: seconds inside ``runner.forward``.
+        sched_s: seconds of scheduling (estimates, planning, admission, commit), KV copies excluded.
+        finished, failed, cancelled: requests by outcome.
+        retried: requests that failed before their first token and ran again by recomputation
+            (RAGCache §6 fault tolerance).
+    """
+
+    steps: int = 0
+    forward_s: float = 0.0
+    sched_s: float = 0.0
+    finished: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    retried: int = 0
+
+
+class EngineCore:
+    """The step loop over an engine's parts; :class:`~ragcache_backend.engine.engine.RAGCacheEngine`
+    adds the public entry points. The loop's thread starts with the first request."""
+
+    def __init__(self, parts: EngineParts, *, store=None) -> None:
+        self.config = parts.config
+        self.loaded = parts.loaded
+        self.runner = parts.runner
+        self.cache = parts.cache
+        self.profile = parts.profile
+        self.prompts = parts.prompts
+        self.scheduler = parts.scheduler
+        self.stop_ids = parts.stop_ids
+        self.store = store
+        self.stats = EngineStats()
+        self._rule = parts.config.recompute_rule()
+        self._check = os.environ.get(CHECK_INVARIANTS_ENV, "") == "1"
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[int, Request] = {}
+        self._step_lock = threading.RLock()  # held for a whole step; also by reset_cache
+        self._thread: threading.Thread | None = None
+        self._thread_lock = threading.Lock()
+        self._closing = False
+        self._queued = 0  # requests in the inbox (cancellations and wake-ups are not counted)
+        self._waiting = 0  # requests waiting for admission, as of the loop's last look
+        self._queued_lock = threading.Lock()
+
+    # ---- the loop thread -------------------------------------------------------------------------
+    def _enqueue(self, req: Request) -> None:
+        """Hand a new request to the loop (starting its thread on first use)."""
+        self._ensure_thread()
+        with self._queued_lock:
+            self._queued += 1
+        self._inbox.put(req)
+
+    def cancel(self, rid: int) -> None:
+        """Cancel request ``rid`` wherever it is (no-op once it finished)."""
+        self._inbox.put(rid)
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None:
+            with self._thread_lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=EngineCore._run_loop, args=(weakref.ref(self),),
+                                                    name="ragcache-engine", daemon=False)
+                    self._thread.start()
+
+    @staticmethod
+    def _run_loop(ref: weakref.ReferenceType[EngineCore]) -> None:
+        """The loop thread's body. It holds the engine only weakly between turns, so an engine its
+        caller dropped (and its KV arena) is freed: the thread then ends by itself. It is not a daemon:
+        when the main thread ends it finishes its requests and returns before Python finalizes (a
+        daemon thread stopped inside torch at finalization aborts the process)."""
+        while True:
+            engine = ref()
+            if engine is None or not engine._loop_once():
+                return
+            del engine
+
+    def _loop_once(self) -> bool:
+        """One turn of the loop thread: wait (at most 0.5 s) for work, then step; False to stop."""
+        try:
+            if not self._live:
+                if (self._closing or not threading.main_thread().is_alive()) and self._inbox.empty():
+                    # closed, or the program is exiting: leave the disk tier complete, end before Python finalizes
+                    with self._step_lock:
+                        self._persist()
+                        self.cache.close_disk()
+                    return False
+                if not self._take(block=True):
+                    return True
+            self.step()
+            return True
+        except BaseException as exc:  # a bug: fail everyone loudly rather than hang callers
+            log.exception("engine step loop crashed")
+            self._closing = True
+            err = exc if isinstance(exc, Exception) else RAGCacheError(repr(exc))
+            for req in list(self._live.values()):
+                self._fail(req, err)
+            while True:
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(item, Request):
+                    with self._queued_lock:
+                        self._queued -= 1
+                    item.handle.future.set_exception(EngineClosedError(f"the engine loop stopped: {exc!r}"))
+            return False
+
+    def _take(self, *, block: bool) -> bool:
+        """Move inbox items (new requests, cancellations) into the loop; True if any came."""
+        got = False
+        while True:
+            try:
+                item = self._inbox.get(timeout=0.5) if block and not got else self._inbox.get_nowait()
+            except queue.Empty:
+                return got
+            got = True
+            if isinstance(item, Request):
+                with self._queued_lock:
+                    self._queued -= 1
+                self._live[item.rid] = item
+                self.scheduler.add(item.rid, 0, item.prompt_tokens)
+                self._waiting = self.scheduler.waiting
+            elif isinstance(item, int):
+                req = self._live.get(item)
+                if req is not None:
+                    self._fail(req, RequestCancelledError("the request was cancelled"))
+
+    # ---- one step --------------------------------------------------------------------------------
+    def step(self) -> int:
+        """Run one forward step over the admitted prefills and running decodes.
+
+        Returns:
+            the number of sequences in the step (0 when nothing could run).
+        """
+        with self._step_lock:
+            try:
+                return self._step()
+            finally:
+                if self._check:
+                    self.cache.check_invariants()
+
+    def _step(self) -> int:
+        self._take(block=False)
+        for req in [r for r in self._live.values() if r.cancel.is_set()]:
+            self._fail(req, RequestCancelledError("the request was cancelled"))
+        t0 = time.perf_counter()
+        cfg = self.scheduler.config
+        if cfg.reorder and cfg.window > 0:
+            self._refresh_estimates()
+        scheduled = self.scheduler.schedule()
+        plan_s = time.perf_counter() - t0
+        decoders = [self._live[rid] for rid in scheduled.decode]
+        admitted: list[Request] = []
+        for rid in scheduled.prefill:
+            req = self._live[rid]
+            if self._admit(req):
+                admitted.append(req)
+            elif rid in self._live:  # no room now: waits for running requests' blocks
+                break
+        self._waiting = self.scheduler.waiting
+        share = plan_s / max(1, len(admitted) + len(decoders))
+        for req in admitted + decoders:
+            req.handle.metrics.sched_s += share
+        self.stats.sched_s += time.perf_counter() - t0
+        if not admitted and not decoders:
+            self._unblock()
+            return 0
+        t1 = time.perf_counter()
+        try:
+            inputs = [self._prefill_input(r) for r in admitted]
+            inputs += [batch.decode_input(r.lease, r.next_token, r.rest_tokens + len(r.generated) - 1) for r in decoders]
+            out = self.runner.forward_step(inputs)
+        except Exception as exc:
+            log.warning("forward step of %d sequences failed: %r", len(admitted) + len(decoders), exc)
+            for req in admitted + decoders:
+                self._fail(req, exc)
+            return 0
+        self.stats.forward_s += time.perf_counter() - t1
+        self.stats.steps += 1
+        for i, req in enumerate(admitted):
+            req.handle.metrics.batch_sizes.append(len(inputs))
+            self._after_prefill(req, out, i)
+        for req, lg in zip(decoders, out.logits[len(admitted):]):
+            if req.rid in self._live:
+                req.handle.metrics.batch_sizes.append(len(inputs))
+                self._after_token(req, lg)
+        self._persist()
+        return len(inputs)
+
+    def _persist(self) -> None:
+        """Hand the nodes this step inserted to the disk tier (after the step's tokens went out)."""
+        try:
+            self.cache.persist_pending()
+        except Exception:  # the disk tier is a cache: losing a write never fails a request
+            log.exception("disk tier: queuing KV for writing failed; it stays in memory only")
+
+    def _unblock(self) -> None:
+        """Nothing runs and the first waiting request still got no room: only possible when the
+        arena is held by something outside the loop; fail it rather than spin."""
+        if self.scheduler.running or not self.scheduler.pending:
+            return
+        req = self._live[self.scheduler.order()[0].rid]
+        self._fail(req, CacheBudgetError(
+            f"no room in the device arena for request {req.rid} although no other request runs"))
+
+    def _refresh_estimates(self) -> None:
+        for rid in self.scheduler.pending:
+            req = self._live[rid]
+            lead = req.plan.lead
+            cached = self.cache.match([s.key for s in lead]).cached_tokens if lead else 0
+            self.scheduler.update(rid, cached, req.prompt_tokens - cached)
+
+    # ---- admission, prefill, commit --------------------------------------------------------------
+    def _admit(self, req: Request) -> bool:
+        m = req.handle.metrics
+        m.admit_attempts += 1
+        t0, c0 = time.perf_counter(), self.cache.stats.copy_s
+        tail = req.rest_tokens + req.sampling.max_tokens
+        chunks = req.reuse != "exact" and bool(req.plan.lead)
+        specs = batch.lead_specs(req.plan.lead, chunks=chunks)
+        try:
+            if not chunks:
+                lease = self.cache.admit(specs, tail)
+            else:  # "chunk": the tree serves what precedes the first document; documents come from variants
+                upto = next((i for i, s in enumerate(specs) if s.chunk), len(specs)) if req.reuse == "chunk" else len(specs)
+                lease = self.cache.admit(specs, tail, exact_upto=upto, rule=req.recompute,
+                                         fresh_above=self.config.chunk_fresh_above)
+        except Exception as exc:  # can never fit, or a swap-in failed
+            self._fail(req, exc)
+            return False
+        finally:
+            self._charge(m, t0, c0)
+        if lease is None:
+            return False
+        req.lease = lease
+        m.admitted = time.perf_counter()
+        self.scheduler.start(req.rid)
+        return True
+
+    def _charge(self, m: RequestMetrics, t0: float, c0: float) -> None:
+        copy = self.cache.stats.copy_s - c0
+        m.kv_copy_s += copy
+        m.sched_s += time.perf_counter() - t0 - copy
+
+    def _prefill_input(self, req: Request):
+        if req.lease.chunk_hits:
+            t0 = time.perf_counter()
+            batch.copy_variants(req.lease, self.runner.arena)
+            req.handle.metrics.kv_copy_s += time.perf_counter() - t0
+        item, req.layout = batch.prefill_input(req.plan, req.lease, rule=req.recompute)
+        return item
+
+    def _after_prefill(self, req: Request, out: StepOutput, index: int) -> None:
+        m = req.handle.metrics
+        try:
+            t0, c0 = time.perf_counter(), self.cache.stats.copy_s
+            logits = self._commit(req, out, index)
+            self._charge(m, t0, c0)
+            if req.keep_logits:
+                req.handle.first_logits = logits.clone()
+        except Exception as exc:
+            self._fail(req, exc)
+            return
+        m.first_token = time.perf_counter()
+        self._after_token(req, logits)
+
+    def _commit(self, req: Request, out: StepOutput, index: int) -> torch.Tensor:
+        """Guard, statistics and commit of a prefill; returns the first token's logits.
+
+        In the chunk modes a reused chunk whose recomputed tokens moved too far (the quality guard)
+        is recomputed in full, with everything after it, in a second forward of this request alone."""
+        lease, layout = req.lease, req.layout
+        logits, attention, depth = out.logits[index], out.attention[index], out.depth[index]
+        deviations = batch.chunk_deviations(lease, layout, out.deviation[index])
+        req.deviation = max(deviations.values(), default=0.0)
+        flagged = batch.guard_flags(deviations, req.recompute.guard)
+        if flagged:
+            item, layout = batch.prefill_input(req.plan, lease, rule=req.recompute, guard=False, full=flagged)
+            again = self.runner.forward_step([item])
+            logits, attention, depth = again.logits[0], again.attention[0], again.depth[0]
+            for i in flagged:  # computed in full now: no longer served from a variant
+                lease.pieces[i].use = None
+            req.guarded = len(flagged)
+        req.recomputed = batch.recomputed_tokens(lease, layout, depth, self.runner.num_layers)
+        # cached = exact prefix nodes + approximate ones (earlier chunk reuse) + reused chunks not recomputed
+        req.chunk_cached = (lease.approximate_prefix_tokens - req.recomputed
+                            + sum(p.spec.num_tokens for p in lease.pieces if p.use is not None))
+        req.computed = req.prompt_tokens - (lease.cached_tokens - lease.approximate_prefix_tokens) - req.chunk_cached
+        req.handle.metrics.computed_tokens = req.computed
+        if req.store:
+            self.cache.commit(lease, req.rest_tokens, batch.variant_stats(lease, layout, attention))
+        return logits
+
+    # ---- tokens and results ----------------------------------------------------------------------
+    def _after_token(self, req: Request, logits: torch.Tensor) -> None:
+        try:
+            token = sample_token(logits, req.sampling, req.generator)
+            reason = self._accept_token(req, token)
+        except Exception as exc:  # e.g. the caller's on_text raised
+            self._fail(req, exc)
+            return
+        if reason is None:
+            req.next_token = token
+            return
+        m = req.handle.metrics
+        try:
+            self.cache.finish(req.lease)
+        finally:
+            self._forget(req)
+        m.finished = time.perf_counter()
+        self.stats.finished += 1
+        if not req.handle.future.done():
+            req.handle.future.set_result(self._result(req, reason))
+
+    def _accept_token(self, req: Request, token: int) -> FinishReason | None:
+        """Take one sampled token: emit its text; return why the request ends, or None to go on."""
+        text, on_text = req.text, req.on_text
+        if token in self.stop_ids:
+            tail = text.flush()
+            if tail:
+                on_text(tail)
+            return "stop"
+        req.generated.append(token)
+        req.handle.metrics.generated_tokens = len(req.generated)
+        delta = text.push(token)
+        if delta:
+            on_text(delta)
+        if text.stopped:
+            return "stop"
+        if len(req.generated) >= req.sampling.max_tokens:
+            tail = text.flush()
+            if tail:
+                on_text(tail)
+            return "length"
+        return None
+
+    def _result(self, req: Request, reason: FinishReason) -> GenerationResult:
+        m, lease = req.handle.metrics, req.lease
+        return GenerationResult(
+            answer=req.text.emitted,
+            token_ids=tuple(req.generated),
+            finish_reason=reason,
+            ttft_s=m.first_token - m.submitted,
+            total_s=m.finished - m.submitted,
+            prompt_tokens=req.prompt_tokens,
+            cached_tokens=req.prompt_tokens - req.computed,
+            computed_tokens=req.computed,
+            device_hits=lease.device_hits if lease else 0,
+            host_hits=lease.host_hits if lease else 0,
+            disk_hits=lease.disk_hits if lease else 0,
+            documents=tuple(s.doc_id for s in req.segments if s.doc_id is not None),
+            dropped_documents=req.dropped,
+            model=self.loaded.name,
+            reuse=req.reuse,
+            chunk_cached_tokens=req.chunk_cached,
+            recomputed_tokens=req.recomputed,
+            chunk_hits=lease.chunk_hits if lease else 0,
+            guarded_chunks=req.guarded,
+            chunk_deviation=req.deviation,
+        )
+
+    # ---- failures ----------------------------------------------------------------------------------
+    def _forget(self, req: Request) -> None:
+        self._live.pop(req.rid, None)
+        self.scheduler.remove(req.rid)
+        self._waiting = self.scheduler.waiting
+
+    def _may_retry(self, req: Request, exc: BaseException) -> bool:
+        """RAGCache §6: a request that failed before its first token (a forward or KV-copy error,
+        not bad input) runs once more, computing its whole prompt without the cache."""
+        deterministic = (InvalidRequestError, CacheBudgetError, RequestCancelledError, EngineClosedError)
+        return (not req.retried and not self._closing and req.handle.metrics.first_token == 0.0
+                and not req.generated and isinstance(exc, Exception) and not isinstance(exc, deterministic)
+                and not req.cancel.is_set())
+
+    def _retry(self, req: Request, exc: BaseException) -> None:
+        log.warning("request %d failed before its first token (%r): retrying it by recomputation", req.rid, exc)
+        try:
+            if req.lease is not None:
+                self.cache.finish(req.lease)
+        finally:
+            req.lease, req.layout = None, None
+        req.retried = True
+        req.plan = self.prompt_plan(req.segments, use_cache=False)
+        req.reuse = "exact"
+        req.computed = req.recomputed = req.chunk_cached = req.guarded = 0
+        req.deviation = 0.0
+        self.stats.retried += 1
+        self.scheduler.remove(req.rid)
+        self.scheduler.add(req.rid, 0, req.prompt_tokens)
+
+    def _fail(self, req: Request, exc: BaseException) -> None:
+        if req.rid in self._live and self._may_retry(req, exc):
+            self._retry(req, exc)
+            return
+        try:
+            if req.lease is not None:
+                self.cache.finish(req.lease)
+        finally:
+            self._forget(req)
+            req.handle.metrics.finished = time.perf_counter()
+            if isinstance(exc, RequestCancelledError):
+                self.stats.cancelled += 1
+            else:
+                self.stats.failed += 1
+            if not req.handle.future.done():
+                req.handle.future.set_exception(exc)
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def prompt_plan(self, segments: Sequence[Segment], use_cache: bool | None = None) -> PromptPlan:
+        """How ``segments`` meet the knowledge tree under this engine's settings: the lead the tree
+        may serve and the rest always computed (everything computed when the cache is off)."""
+        use = self.config.enable_cache if use_cache is None else use_cache
+        if not use:
+            return PromptPlan((), tuple(t for s in segments for t in s.token_ids))
+        return plan_prompt(segments, whole_prompt=self.config.whole_prompt_reuse)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until no request is in flight; False if ``timeout`` seconds passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.in_flight:
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def live_request_ids(self) -> tuple[int, ...]:
+        """Ids of the requests the loop holds now (waiting or running)."""
+        return tuple(self._live)
+
+    @property
+    def waiting_requests(self) -> int:
+        """Requests submitted and not yet admitted for prefill (the pool of RAGCache Algorithm 2)."""
+        return self._waiting + self._queued
+
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not yet finished."""
+        return len(self._live) + self._queued
+
+    def reset_cache(self) -> None:
+        """Drop every cached node that no running request holds."""
+        with self._step_lock:
+            self.cache.clear()
+
+    def close(self, *, cancel: bool = False, timeout: float | None = None) -> None:
+        """Stop taking requests; finish (or with ``cancel`` cancel) those in flight; join the loop."""
+        self._closing = True
+        if cancel:
+            for rid in list(self._live):
+                self.cancel(rid)
+        self._inbox.put(None)  # wakes the loop
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        if thread is None or not thread.is_alive():
+            self.cache.close_disk()  # queued KV files are written before close returns

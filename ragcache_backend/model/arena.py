@@ -1,0 +1,197 @@
+"""The device KV arena: where every token's K and V live, in fixed-size blocks.
+
+Following vLLM (RAGCache §5.1), K and V are each one tensor ``[layers, blocks * block_size,
+kv_heads, head_dim]``; a token is addressed by its *slot* ``block * block_size + offset``, and a
+sequence's context is a list of :class:`~ragcache_backend.cache.blocks.KVRun` (a segment's tokens
+at the start of its own blocks), so a document's KV computed once can be attended to by any later
+request whose path reaches it. Block ids come from the cache's allocator; the arena only stores.
+
+A chunk's KV moves to a new position with :meth:`KVArena.copy_rerotated` (RoPE re-rotation by the
+position delta, Cache-Craft §3.4.3).
+
+The arena implements the cache's KVMover protocol (swap out to host, swap in, host copies for the
+disk tier): the engine hands it to the cache as its mover.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ragcache_backend.cache.blocks import KVRun
+from ragcache_backend.errors import InvalidRequestError
+from ragcache_backend.model.kernels import rope_cos_sin
+
+__all__ = ["HostKV", "KVArena"]
+
+
+@dataclass(slots=True)
+class HostKV:
+    """A node's KV copied out of the device arena (the host tier).
+
+    ``k`` and ``v`` are ``[layers, tokens, kv_heads, head_dim]`` on the CPU (pinned under CUDA).
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+
+class KVArena:
+    """The paged device KV arena of one model, and the cache's mover.
+
+    Args:
+        num_layers: decoder layers.
+        num_blocks: size of the arena, in blocks.
+        block_size: tokens per block.
+        num_kv_heads: K/V heads per layer.
+        head_dim: size of one head.
+        dtype: the KV dtype (the model's).
+        device: where the arena lives.
+        inv_freq: float32 ``[head_dim / 2]`` RoPE inverse frequencies of the model (for
+            :meth:`copy_rerotated`).
+
+    The arena is allocated (and touched) up front: its memory is committed at construction.
+
+    Attributes:
+        k_cache, v_cache: ``[num_layers, num_blocks * block_size, num_kv_heads, head_dim]`` in
+            ``dtype`` on ``device``.
+    """
+
+    __slots__ = ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim", "dtype", "device", "inv_freq",
+                 "k_cache", "v_cache")
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device, inv_freq: torch.Tensor) -> None:
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = device
+        self.inv_freq = inv_freq
+        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        # zeros, not empty: the arena is committed up front (a bounded budget, as vLLM's), so the
+        # first write to a block never pays the page faults of lazily committed memory
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+
+    # ---- sizes -------------------------------------------------------------------------------
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V for one token across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.k_cache.element_size()
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block (``block_size`` tokens)."""
+        return self.kv_bytes_per_token * self.block_size
+
+    @property
+    def kv_layout(self) -> tuple[int, int, int]:
+        """``(layers, kv_heads, head_dim)``: the shape of one token's K (or V) across layers."""
+        return self.num_layers, self.num_kv_heads, self.head_dim
+
+    # ---- slots -------------------------------------------------------------------------------
+    def slots(self, runs: Sequence[KVRun]) -> torch.Tensor:
+        """Flat arena slot of every token of ``runs``, in order: ``[sum(length)]`` int64.
+
+        Raises:
+            InvalidRequestError: a run overflows its blocks.
+        """
+        parts = []
+        bs = self.block_size
+        for run in runs:
+            if run.length == 0:
+                continue
+            idx = torch.arange(run.start, run.start + run.length)
+            if (run.start + run.length + bs - 1) // bs > len(run.blocks):
+                raise InvalidRequestError(f"KV run of {run.length} tokens at {run.start} overflows {len(run.blocks)} blocks")
+            blocks = torch.tensor(run.blocks, dtype=torch.int64)
+            parts.append(blocks[idx // bs] * bs + idx % bs)
+        if not parts:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        return torch.cat(parts).to(self.device)
+
+    # ---- chunk caches (Cache-Craft §3) ---------------------------------------------------------
+    @torch.inference_mode()
+    def copy_rerotated(self, src: KVRun, dst: KVRun, delta: int) -> None:
+        """Copy a chunk's KV (every layer) from ``src`` to ``dst`` with its keys moved by ``delta``
+        positions (RoPE re-rotation: ``R(p + d) k = R(d) R(p) k``, Cache-Craft §3.4.3).
+
+        Computed in float32 and rounded once to the arena's dtype.
+
+        Args:
+            src: where the chunk's KV is (a cached variant's blocks).
+            dst: where it goes (the request's blocks), the same length.
+            delta: new position minus old position of the chunk's first token, in tokens.
+
+        Raises:
+            InvalidRequestError: lengths differ or a run overflows its blocks.
+        """
+        if src.length != dst.length:
+            raise InvalidRequestError(f"copy_rerotated: source has {src.length} tokens, destination {dst.length}")
+        if src.length == 0:
+            return
+        s_slots, d_slots = self.slots([src]), self.slots([dst])
+        k = self.k_cache.index_select(1, s_slots)  # [L, T, Hkv, D]
+        if delta:
+            cos, sin = rope_cos_sin(self.inv_freq, torch.full((1,), int(delta), device=self.device), dtype=torch.float32)
+            kf = k.float()
+            half = kf.shape[-1] // 2
+            rot = torch.cat((-kf[..., half:], kf[..., :half]), dim=-1)
+            k = (kf * cos[0] + rot * sin[0]).to(self.dtype)
+        self.k_cache.index_copy_(1, d_slots, k)
+        self.v_cache.index_copy_(1, d_slots, self.v_cache.index_select(1, s_slots))
+
+    # ---- KVMover (the cache's tiers) -----------------------------------------------------------
+    def host_nbytes(self, num_tokens: int) -> int:
+        """Bytes a host copy of ``num_tokens`` tokens of KV takes."""
+        return self.kv_bytes_per_token * num_tokens
+
+    def swap_out(self, blocks: Sequence[int], num_tokens: int) -> HostKV:
+        """Copy a node's KV (the first ``num_tokens`` tokens of ``blocks``) to host memory."""
+        slots = self.slots([KVRun(tuple(blocks), 0, num_tokens)])
+        k = self.k_cache.index_select(1, slots)
+        v = self.v_cache.index_select(1, slots)
+        if self.device.type == "cuda":
+            k, v = k.to("cpu").pin_memory(), v.to("cpu").pin_memory()
+        return HostKV(k=k, v=v)
+
+    def swap_in(self, host_kv: HostKV, blocks: Sequence[int]) -> None:
+        """Copy a host copy back into the given device blocks (the host copy stays: swap out only once)."""
+        slots = self.slots([KVRun(tuple(blocks), 0, host_kv.k.shape[1])])
+        self.k_cache.index_copy_(1, slots, host_kv.k.to(self.device, non_blocking=True))
+        self.v_cache.index_copy_(1, slots, host_kv.v.to(self.device, non_blocking=True))
+
+    def kv_tokens(self, host_kv: HostKV) -> int:
+        """Tokens of KV a host copy holds (a tier refuses a copy that does not fit its node)."""
+        return int(host_kv.k.shape[1])
+
+    def host_tensors(self, host_kv: HostKV) -> tuple[torch.Tensor, torch.Tensor]:
+        """The CPU tensors ``(k, v)`` of a host copy, ``[layers, tokens, kv_heads, head_dim]``
+        (shared, not copied: the disk tier writes them)."""
+        return host_kv.k, host_kv.v
+
+    def host_from_tensors(self, k: torch.Tensor, v: torch.Tensor) -> HostKV:
+        """A host copy made of CPU tensors read back from the disk tier.
+
+        Raises:
+            InvalidRequestError: shape or dtype not this model's KV.
+        """
+        want = (self.num_layers, k.shape[1] if k.dim() == 4 else -1, self.num_kv_heads, self.head_dim)
+        if tuple(k.shape) != want or tuple(v.shape) != want or k.dtype != self.dtype or v.dtype != self.dtype:
+            raise InvalidRequestError(f"KV of shape {tuple(k.shape)} {k.dtype} is not this model's {want} {self.dtype}")
+        if self.device.type == "cuda":
+            k, v = k.pin_memory(), v.pin_memory()
+        return HostKV(k=k, v=v)
+
+    def free_host(self, host_kv: HostKV) -> None:
+        """Drop a host copy (memory is returned when the last reference goes)."""
+        host_kv.k = host_kv.v = torch.empty(0)

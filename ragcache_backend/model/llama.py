@@ -1,0 +1,287 @@
+"""The Llama decoder math over the paged KV arena: our own forward pass, layer by layer.
+
+:class:`PagedLlama` drives the decoder layers of a transformers Llama-family model module by module,
+so that KV lives where *we* put it: every layer writes its new K/V into a
+:class:`~ragcache_backend.model.arena.KVArena` it is given and attends over the slots of each
+sequence's context there (RAGCache §5.1).
+
+Several sequences run in one forward (continuous batching): the linear layers see all their new
+tokens concatenated (Q/K/V and gate/up fused into one GEMM each, every weight prepacked for oneDNN
+on the CPU), attention runs per sequence over its own context.
+
+Two paths, picked once per model (:attr:`PagedLlama.kernel_tag`): the torch path (reference
+kernels of :mod:`ragcache_backend.model.kernels`), and on an AVX512-BF16 CPU in bf16 the native
+kernels (paged attention straight over the arena; with SiLU models also the fused row-wise steps).
+
+Chunk-cache sequences (Cache-Craft §3.2-3.4) hook into every layer through their
+:class:`~ragcache_backend.model.chunk_rows.ChunkRows` (attention over explicit positions,
+statistics, deviation, rows that stop part-way: :meth:`~ragcache_backend.model.forward.StepRows.stop_rows`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ragcache_backend.errors import InvalidRequestError
+from ragcache_backend.model.arena import KVArena
+from ragcache_backend.model.forward import StepRows
+from ragcache_backend.model.kernels import apply_rope, attention, attention_over_prefix, native, rope_cos_sin
+from ragcache_backend.model.kernels.linear import Linear, pack_linear
+from ragcache_backend.model.loader import LoadedModel
+
+__all__ = ["PagedLlama"]
+
+
+@dataclass(slots=True)
+class _LayerWeights:
+    """One decoder layer's weights as the runner uses them: Q/K/V and gate/up fused into one GEMM
+    each (the module's own parameters become views of the fused tensors), every GEMM's weight
+    prepacked for oneDNN on the CPU (:mod:`ragcache_backend.model.kernels.linear`)."""
+
+    qkv: Linear  # [(Hq + 2 Hkv) * D, hidden]
+    o_proj: Linear
+    gate_up: Linear  # [2 * intermediate, hidden]
+    down_proj: Linear
+    act: Callable[[torch.Tensor], torch.Tensor]
+    norm_shape: tuple[int, ...]
+    input_norm: torch.Tensor
+    input_eps: float
+    post_norm: torch.Tensor
+    post_eps: float
+
+
+def _fuse(linears: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the weights (and biases) of ``linears`` along their output dimension and make
+    each module's parameters views of the result."""
+    weight = torch.cat([m.weight.detach() for m in linears])
+    bias = None
+    if any(m.bias is not None for m in linears):
+        bias = torch.cat([m.bias.detach() if m.bias is not None else weight.new_zeros(m.out_features) for m in linears])
+    row = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        m.weight = torch.nn.Parameter(weight[row : row + rows], requires_grad=False)
+        if m.bias is not None:
+            m.bias = torch.nn.Parameter(bias[row : row + rows], requires_grad=False)
+        row += rows
+    return weight, bias
+
+
+def _fuse_layer(layer: torch.nn.Module) -> _LayerWeights:
+    """A decoder layer's :class:`_LayerWeights` (its Q/K/V and gate/up modules become views).
+
+    Raises:
+        InvalidRequestError: the MLP has biases.
+    """
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+    gate_up, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
+    if gate_up_bias is not None:
+        raise InvalidRequestError("MLP biases are not supported by the runner")
+    return _LayerWeights(
+        qkv=pack_linear(qkv, qkv_bias), o_proj=pack_linear(attn.o_proj.weight, attn.o_proj.bias), gate_up=pack_linear(gate_up),
+        down_proj=pack_linear(mlp.down_proj.weight, mlp.down_proj.bias), act=mlp.act_fn,
+        norm_shape=(layer.input_layernorm.weight.shape[0],),
+        input_norm=layer.input_layernorm.weight, input_eps=float(layer.input_layernorm.variance_epsilon),
+        post_norm=layer.post_attention_layernorm.weight, post_eps=float(layer.post_attention_layernorm.variance_epsilon),
+    )
+
+
+class PagedLlama:
+    """The embedding, decoder layers, final norm and LM head of a Llama-family model, computed over
+    a paged KV arena.
+
+    Args:
+        loaded: model + tokenizer from :func:`ragcache_backend.model.loader.load_model`; its Q/K/V
+            and gate/up parameters become views of fused tensors.
+
+    Raises:
+        InvalidRequestError: the model's MLP has biases.
+
+    Attributes:
+        num_layers, num_heads, num_kv_heads, head_dim: the model's attention geometry.
+        inv_freq: float32 ``[head_dim / 2]`` RoPE inverse frequencies on the model's device.
+        native_attention: attention runs on the native bf16 kernel.
+        native_fused: the row-wise steps between the GEMMs run fused too.
+        stat_layers: layers whose attention statistics are recorded (``stat_segments``).
+    """
+
+    def __init__(self, loaded: LoadedModel) -> None:
+        cfg = loaded.model.config
+        self.device = loaded.device
+        self.dtype = loaded.dtype
+        inner = loaded.model.model
+        self._embed = inner.embed_tokens
+        layers = list(inner.layers)
+        self._norm = inner.norm
+        head = loaded.model.lm_head
+        self._lm_head = pack_linear(head.weight, head.bias)
+        self.num_layers = len(layers)
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        rotary = inner.rotary_emb
+        self.inv_freq = rotary.inv_freq.to(self.device, torch.float32)
+        self._rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        self._scale = float(getattr(layers[0].self_attn, "scaling", self.head_dim**-0.5))
+        self._weights = [_fuse_layer(layer) for layer in layers]
+        # bf16 on an AVX512-BF16 CPU: attention reads the arena directly (no per-layer gather) and
+        # every row is computed alone, so cached and uncached prompts agree bit for bit
+        group = self.num_heads // self.num_kv_heads
+        self.native_attention = native.available(self.dtype, self.device, self.head_dim, group)
+        # ... and the row-wise steps between the GEMMs run fused (RoPE + KV write, add + RMSNorm,
+        # SiLU * up): a decode step of a small model is mostly the dispatch of those small ops
+        self.native_fused = self.native_attention and getattr(cfg, "hidden_act", "") == "silu" and native.fused_available(
+            self.dtype, self.device, hidden=cfg.hidden_size, intermediate=self._weights[0].gate_up.weight.shape[0] // 2,
+            head_dim=self.head_dim, group=group)
+        self._final_norm = (self._norm.weight.detach(), float(getattr(self._norm, "variance_epsilon", getattr(self._norm, "eps", 1e-6))))
+        #: layers whose attention statistics are recorded (``stat_segments``); all by default
+        self.stat_layers: frozenset[int] = frozenset(range(self.num_layers))
+
+    def sample_stat_layers(self, count: int) -> None:
+        """Record attention statistics on ``count`` evenly spaced layers (the first and last
+        included) instead of all: the statistics' reference computation costs about as much as the
+        attention itself on the torch path, and layer averages (Cache-Craft eq. 10) move little.
+
+        Raises:
+            InvalidRequestError: ``count < 1``.
+        """
+        if count < 1:
+            raise InvalidRequestError(f"at least one statistics layer is needed, got {count}")
+        n, k = self.num_layers, min(count, self.num_layers)
+        self.stat_layers = frozenset(round(i * (n - 1) / max(1, k - 1)) for i in range(k))
+
+    @property
+    def kernel_tag(self) -> str:
+        """Which forward path runs: ``native-fused``, ``native-attention`` or ``torch`` (prefill
+        costs, and bf16 roundings, differ between them)."""
+        return "native-fused" if self.native_fused else "native-attention" if self.native_attention else "torch"
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the token embedding."""
+        return self._embed.num_embeddings
+
+    # ---- the step: embed -> layers -> logits -------------------------------------------------
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings: int64 ``[N]`` on the model's device -> ``[N, hidden]`` in the model's dtype."""
+        return self._embed(ids)
+
+    def run(self, h: torch.Tensor, st: StepRows, arena: KVArena) -> torch.Tensor:
+        """Every decoder layer over the step's rows, writing their K/V into ``arena`` and dropping
+        the rows that stop part-way (``st`` shrinks with them).
+
+        Args:
+            h: ``[N, hidden]`` embeddings of the step's rows (updated in place on the native fused path).
+
+        Returns:
+            ``[N', hidden]`` hidden states of the rows still computed: final-normed on the native
+            fused path (:attr:`native_fused`), else not (:meth:`logits` norms them).
+        """
+        if self.native_fused:
+            return self._layers_fused(h, st, arena)
+        for layer_idx in range(self.num_layers):
+            h = self._layer(layer_idx, h, st, arena)
+            h = st.stop_rows(layer_idx, h)[0]
+        return h
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[R, vocab]`` of ``[R, hidden]`` rows of :meth:`run` (the final norm,
+        unless :meth:`run` applied it, then the LM head)."""
+        if not self.native_fused:
+            h = self._norm(h)
+        return self._lm_head(h).float()
+
+    # ---- layers --------------------------------------------------------------------------------
+    def _rope_tables(self, st: StepRows, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE tables for the step's rows, built once (and again after rows stop)."""
+        if dtype not in st.rope:
+            st.rope[dtype] = rope_cos_sin(self.inv_freq, st.positions, attention_scaling=self._rope_scaling, dtype=dtype)
+        return st.rope[dtype]
+
+    def _chunks_after_write(self, st: StepRows, old: list, q, kc, vc, a, layer: int) -> None:
+        stat_layer = layer in self.stat_layers
+        for c, before in zip(st.chunks, old):
+            c.after_write(before, q, kc, vc, a, layer, self._scale, attention, stat_layer)
+
+    def _layers_fused(self, h: torch.Tensor, st: StepRows, arena: KVArena) -> torch.Tensor:
+        """Every decoder layer with the native bf16 kernels; ``h`` (the residual stream) is
+        updated in place. Returns the final-normed hidden states ``[N, hidden]``."""
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        cos, sin = self._rope_tables(st, torch.float32)
+        h = h.contiguous()
+        x = native.add_rms_norm(h, None, self._weights[0].input_norm, self._weights[0].input_eps)
+        a = torch.empty((h.shape[0], hq, d), dtype=self.dtype)
+        for idx, w in enumerate(self._weights):
+            n = h.shape[0]
+            if a.shape[0] != n:  # rows stopped after the last layer
+                a = torch.empty((n, hq, d), dtype=self.dtype)
+            kc, vc = arena.k_cache[idx], arena.v_cache[idx]
+            qkv = w.qkv(x).view(n, hq + 2 * hkv, d)
+            old = [c.before_write(kc, vc, idx) for c in st.chunks]
+            native.rope_write(qkv, hq, hkv, cos, sin, kc, vc, st.write)
+            self._attend_native(qkv[:, :hq], kc, vc, st, a)
+            if st.chunks:
+                self._chunks_after_write(st, old, qkv[:, :hq], kc, vc, a, idx)
+            x = native.add_rms_norm(h, w.o_proj(a.view(n, hq * d)), w.post_norm, w.post_eps)
+            down = w.down_proj(native.silu_mul(w.gate_up(x)))
+            if idx + 1 < len(self._weights):
+                x = native.add_rms_norm(h, down, self._weights[idx + 1].input_norm, self._weights[idx + 1].input_eps)
+                if st.chunks:
+                    before = h.shape[0]
+                    h, x = st.stop_rows(idx, h, x)
+                    if h.shape[0] != before:
+                        h, x = h.contiguous(), x.contiguous()
+                        cos, sin = self._rope_tables(st, torch.float32)
+            else:
+                x = native.add_rms_norm(h, down, *self._final_norm)
+        return x
+
+    def _attend_native(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, st: StepRows, a: torch.Tensor) -> None:
+        """The native kernel over the step's ordinary sequences."""
+        if st.native_batch is None:
+            return
+        if st.native_rows is None:
+            native.paged_attention(q, kc, vc, st.native_batch, self._scale, out=a)
+        else:
+            a[st.native_rows] = native.paged_attention(q.index_select(0, st.native_rows), kc, vc, st.native_batch, self._scale)
+
+    def _layer(self, idx: int, h: torch.Tensor, st: StepRows, arena: KVArena) -> torch.Tensor:
+        w = self._weights[idx]
+        n = h.shape[0]
+        hq, hkv = self.num_heads, self.num_kv_heads
+        cos, sin = self._rope_tables(st, self.dtype)
+        x = F.rms_norm(h, w.norm_shape, w.input_norm, w.input_eps)
+        qkv = w.qkv(x).view(n, hq + 2 * hkv, self.head_dim)  # one GEMM for Q, K, V
+        qk = apply_rope(qkv[:, : hq + hkv], cos, sin)  # RoPE on Q and K heads at once
+        q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :]  # [N, Hq, D], [N, Hkv, D], [N, Hkv, D]
+        kc, vc = arena.k_cache[idx], arena.v_cache[idx]  # [slots, Hkv, D]
+        old = [c.before_write(kc, vc, idx) for c in st.chunks]
+        kc.index_copy_(0, st.write, k)
+        vc.index_copy_(0, st.write, v)
+        if st.native_batch is not None and st.native_rows is None:  # native kernel: the whole step at once
+            a = native.paged_attention(q, kc, vc, st.native_batch, self._scale)
+        else:
+            a = torch.empty((n, hq, self.head_dim), dtype=q.dtype, device=q.device)
+            self._attend_native(q, kc, vc, st, a)
+            offsets = st.offsets
+            for i, slots in enumerate(st.cached_slots):
+                lo, hi = offsets[i], offsets[i + 1]
+                if st.modes[i] is None or st.native_batch is not None:  # explicit positions (below), or done natively
+                    continue
+                if slots is None:  # cold prefill: attend over the fresh K/V directly
+                    a[lo:hi] = attention(q[lo:hi], k[lo:hi], v[lo:hi], scale=self._scale)
+                else:  # the cached context from the arena, then this step's fresh K/V (no re-gather)
+                    ctx_k = torch.cat((kc.index_select(0, slots), k[lo:hi]))
+                    ctx_v = torch.cat((vc.index_select(0, slots), v[lo:hi]))
+                    a[lo:hi] = attention_over_prefix(q[lo:hi], ctx_k, ctx_v, scale=self._scale, plan=st.modes[i])
+        if st.chunks:
+            self._chunks_after_write(st, old, q, kc, vc, a, idx)
+        h = h + w.o_proj(a.reshape(n, hq * self.head_dim))
+        x = F.rms_norm(h, w.norm_shape, w.post_norm, w.post_eps)
+        gate, up = w.gate_up(x).chunk(2, dim=-1)  # one GEMM for gate and up
+        return h + w.down_proj(w.act(gate) * up)

@@ -1,0 +1,89 @@
+"""The cache core without our engine: token ids and a simulated arena only (the seam a vLLM
+connector will use). Match a prefix across tiers, admit, commit, finish, evict, persist to disk
+and read back after a restart, with the KV checked token for token at every reuse."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+from ragcache_backend.cache.sim_arena import SimArena, disk_store
+from ragcache_backend.cache.tiers import TieredCache
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "cache_core.py"
+spec = importlib.util.spec_from_file_location("cache_core", EXAMPLE)
+core = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(core)
+BLOCK = core.BLOCK
+
+SYSTEM = list(range(1000, 1032))  # 4 blocks
+A = SYSTEM + list(range(1, 20))  # + 2 whole blocks, then 3 tokens always computed
+B = SYSTEM + list(range(500, 530))
+
+
+def make(folder=None, blocks: int = 12, host_blocks: int = 64) -> tuple[TieredCache, SimArena]:
+    arena = SimArena(num_blocks=blocks, block_size=BLOCK)
+    cache = TieredCache(blocks, BLOCK, host_blocks * arena.host_nbytes(BLOCK), arena, policy="lru")
+    if folder is not None:
+        cache.attach_disk(disk_store(folder, 1 << 20))
+    return cache, arena
+
+
+def test_the_cache_core_imports_no_engine_model_or_runner():
+    code = ("import sys, ragcache_backend.cache.tiers, ragcache_backend.cache.sim_arena; "
+            "bad = [m for m in sys.modules if m.startswith(('ragcache_backend.engine', 'ragcache_backend.model', "
+            "'ragcache_backend.prompts', 'transformers'))]; print(bad); assert not bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=EXAMPLE.parents[1])
+
+
+def test_a_shared_prefix_is_reused_across_tiers_and_survives_a_restart(tmp_path):
+    cache, arena = make(tmp_path)
+    assert core.serve(cache, arena, A) == {"cached_tokens": 0, "device": 0, "host": 0, "disk": 0}
+    assert core.serve(cache, arena, B) == {"cached_tokens": 32, "device": 4, "host": 0, "disk": 0}
+    for i in range(3):  # 12 blocks of device memory: these push A and B to host
+        core.serve(cache, arena, list(range(2000 + 100 * i, 2060 + 100 * i)))
+    assert cache.stats.swap_outs > 0 and cache.stats.device_evictions > 0
+    assert core.serve(cache, arena, A) == {"cached_tokens": 48, "device": 0, "host": 6, "disk": 0}
+    assert cache.locked_nodes == 0 and cache.request_blocks == 0 and arena.live == cache.host_used_bytes // arena.host_nbytes(BLOCK)
+    cache.persist_pending()
+    cache.close_disk()
+    assert len(cache.disk) == len(cache.tree)
+
+    again, arena2 = make(tmp_path)
+    assert len(again.tree) == 0
+    assert core.serve(again, arena2, A) == {"cached_tokens": 48, "device": 0, "host": 0, "disk": 6}
+    assert again.stats.disk_hits == 6 and again.disk.stats.loaded == 6
+    again.close_disk()
+
+
+def test_a_damaged_file_is_recomputed_never_served(tmp_path):
+    cache, arena = make(tmp_path)
+    core.serve(cache, arena, A)
+    cache.persist_pending()
+    cache.close_disk()
+    third = cache.tree.root.children[core.block_specs(A)[0].key]
+    third = next(iter(next(iter(third.children.values())).children.values()))
+    path = cache.disk.directory / f"{third.path_key}.kv.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+
+    again, arena2 = make(tmp_path)
+    hits = core.serve(again, arena2, A)  # serve() checks every reused token's KV
+    assert hits["disk"] == 2 and hits["cached_tokens"] == 2 * BLOCK  # stops before the damaged third block
+    assert again.disk.stats.corrupt == 1 and not path.exists()
+    again.close_disk()
+
+
+def test_eviction_under_pressure_keeps_budgets_and_frees_everything(tmp_path):
+    cache, arena = make(blocks=10, host_blocks=8)
+    prompts = [SYSTEM + list(range(100 * i, 100 * i + 17)) for i in range(12)]
+    for p in prompts + prompts[::-1]:
+        core.serve(cache, arena, p)
+        assert cache.device_used_blocks <= cache.num_device_blocks
+        assert cache.host_used_bytes <= cache.host_budget_bytes
+    assert cache.stats.host_evictions > 0 and cache.stats.device_evictions > 0
+    cache.clear()
+    assert len(cache.tree) == 0 and cache.device_used_blocks == 0 and cache.host_used_bytes == 0 and arena.live == 0
