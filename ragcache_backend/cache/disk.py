@@ -10,13 +10,11 @@ off the request's critical path and read back when a prefix match runs past what
   so salts never share files. Files live in ``<root>/v<FORMAT>-<model fingerprint>/``: another
   model, dtype or format version never even lists them; the fingerprint, format and KV shape are
   also in each file's metadata and checked on load.
-* **Integrity.** Each file holds tensors ``k`` and ``v``, ``[layers, tokens, kv_heads, head_dim]``
-  in the model's dtype, and metadata (strings): format, fingerprint, path key, parent path key,
-  segment key, token count and the SHA-256 of the tensors' bytes (and of the variant record,
-  below). A file is written to a temporary name, fsync'ed and renamed (atomic on POSIX): a kill -9
-  mid-write leaves at most a ``.tmp`` file, removed at the next start. A truncated, corrupt or
-  foreign file is detected on load (or at the start-up scan), logged, deleted and reported as a
-  miss: the caller recomputes it, it is never served. Files are never unpickled (safetensors only).
+* **Integrity.** Each file holds the node's K and V and checksummed metadata
+  (:mod:`ragcache_backend.cache.kv_file`). A file is written to a temporary name, fsync'ed and
+  renamed (atomic on POSIX): a kill -9 mid-write leaves at most a ``.tmp`` file, removed at the
+  next start. A truncated, corrupt or foreign file is detected on load (or at the start-up scan),
+  logged, deleted and reported as a miss: the caller recomputes it, it is never served.
 * **Budget and policy.** The folder holds at most ``budget_bytes``; over it, the entry with the
   lowest priority under the cache's policy (PGDSF by default, eq. 1/3, with its own clock, eq. 2;
   one :class:`~ragcache_backend.cache.evictor.Evictor`, as every tier) *among entries no other
@@ -42,14 +40,11 @@ Thread-safety: the index is guarded by a lock; the engine thread calls ``lookup`
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
 import logging
 import os
 import queue
 import re
-import struct
 import threading
 import time
 from collections import Counter
@@ -58,37 +53,20 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from ragcache_backend.cache.chunk_reuse import VariantInfo, variant_from_json, variant_to_json
 from ragcache_backend.cache.evictor import Evictor
 from ragcache_backend.cache.knowledge_tree import TierName, path_key
+from ragcache_backend.cache.kv_file import FORMAT, SUFFIX, FileHeader, KVFileFormat, read_metadata
 from ragcache_backend.cache.policy import NodeStats, get_policy
 from ragcache_backend.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FORMAT", "DiskEntry", "DiskStats", "DiskStore", "path_key"]
+__all__ = ["FORMAT", "DiskEntry", "DiskStats", "DiskStore", "path_key"]  # FORMAT, path_key: re-exported
 
-#: File format version: part of the folder name and of each file's metadata.
-FORMAT = 1
-_SUFFIX = ".kv.safetensors"
-_HEADER_CAP = 1 << 20  # a safetensors header of two tensors is < 1 KiB; more is a foreign file
 _NAME = re.compile(r"^[0-9a-f]{32}$")
 MiB = 1 << 20
-
-
-def _kv_digest(k: torch.Tensor, v: torch.Tensor, variant: str = "") -> str:
-    """SHA-256 of the tensors' bytes, then of the variant record (if any): a file without a variant
-    has the same digest as before variants were stored."""
-    digest = hashlib.sha256()
-    for t in (k, v):
-        digest.update(memoryview(t.contiguous().view(torch.uint8).numpy()))
-    if variant:
-        digest.update(b"\x00variant\x00")
-        digest.update(variant.encode())
-    return digest.hexdigest()
 
 
 @dataclass(slots=True, eq=False)
@@ -184,6 +162,7 @@ class DiskStore:
             raise InvalidRequestError(f"disk cache path {root} exists and is not a folder")
         safe = re.sub(r"[^0-9A-Za-z._-]", "_", fingerprint)[:80]
         self.directory = root / f"v{FORMAT}-{safe}"
+        self._format = KVFileFormat(fingerprint, tuple(int(x) for x in layout), dtype)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.fingerprint = fingerprint
         self.layout = tuple(int(x) for x in layout)
@@ -271,7 +250,7 @@ class DiskStore:
         except OSError as exc:
             log.warning("disk tier: cannot read %s (%s); recomputing", path.name, exc)
             return None
-        problem, kv = self._verify(data, entry.path_key)
+        problem, kv = self._format.decode(data, entry.path_key)
         self.stats.read_s += time.perf_counter() - t0
         if kv is None:
             self._drop_corrupt(path, problem)
@@ -305,44 +284,6 @@ class DiskStore:
             if e is not None and (e.children or self._pending_children[pkey]):
                 raise InvalidRequestError(f"disk entry {pkey} has children on disk: delete them first")
         self._forget(pkey, delete=True)
-
-    def _verify(self, data: bytes, pkey: str) -> tuple[str, tuple[torch.Tensor, torch.Tensor] | None]:
-        """``("", (k, v))`` for a good file, else ``(what is wrong, None)``."""
-        meta = _header_metadata(data)
-        if meta is None:
-            return "not a safetensors file (truncated header)", None
-        why = self._foreign(meta, pkey)
-        if why:
-            return why, None
-        try:
-            tensors = st_load(data)
-        except Exception as exc:  # safetensors raises its own error type for a truncated body
-            return f"unreadable tensors ({type(exc).__name__})", None
-        k, v = tensors.get("k"), tensors.get("v")
-        n = int(meta["num_tokens"])
-        shape = (self.layout[0], n, self.layout[1], self.layout[2])
-        if k is None or v is None or tuple(k.shape) != shape or tuple(v.shape) != shape:
-            return "tensors of the wrong shape", None
-        if k.dtype != self.dtype or v.dtype != self.dtype:
-            return f"tensors of dtype {k.dtype}, expected {self.dtype}", None
-        if _kv_digest(k, v, meta.get("variant", "")) != meta["sha256"]:
-            return "checksum mismatch", None
-        return "", (k, v)
-
-    def _foreign(self, meta: dict[str, str], pkey: str | None) -> str:
-        """Why a file's metadata does not belong to this store ("" if it does)."""
-        if meta.get("format") != str(FORMAT):
-            return f"format {meta.get('format')!r}, expected {FORMAT}"
-        if meta.get("fingerprint") != self.fingerprint:
-            return "written for another model or dtype"
-        if pkey is not None and meta.get("path_key") != pkey:
-            return "its path key does not match its name"
-        for field in ("parent", "key", "num_tokens", "sha256"):
-            if field not in meta:
-                return f"metadata lacks {field!r}"
-        if not meta["num_tokens"].isdigit() or int(meta["num_tokens"]) < 1:
-            return "bad token count"
-        return ""
 
     # ---- writes --------------------------------------------------------------------------------
     def put(self, pkey: str, parent: str, key: str, k: torch.Tensor, v: torch.Tensor, stats: NodeStats,
@@ -422,15 +363,11 @@ class DiskStore:
         t0 = time.perf_counter()
         e = job.entry
         record = variant_to_json(e.variant) if e.variant is not None else ""
-        meta = {"format": str(FORMAT), "fingerprint": self.fingerprint, "path_key": e.path_key, "parent": e.parent,
-                "key": e.key, "num_tokens": str(e.num_tokens), "sha256": _kv_digest(job.k, job.v, record),
-                "frequency": str(e.frequency), "avg_cost": repr(float(e.avg_cost))}
-        if record:
-            meta["variant"] = record
+        header = FileHeader(e.path_key, e.parent, e.key, e.num_tokens, e.frequency, e.avg_cost, record)
         final = self._file(e.path_key)
         tmp = final.with_name(f".{e.path_key}.{os.getpid()}.tmp")
         try:
-            data = st_save({"k": job.k.contiguous(), "v": job.v.contiguous()}, metadata=meta)
+            data = self._format.encode(header, job.k, job.v)
             with open(tmp, "wb") as fh:
                 fh.write(data)
                 fh.flush()
@@ -465,7 +402,7 @@ class DiskStore:
 
     # ---- index ---------------------------------------------------------------------------------
     def _file(self, pkey: str) -> Path:
-        return self.directory / f"{pkey}{_SUFFIX}"
+        return self.directory / f"{pkey}{SUFFIX}"
 
     def _is_leaf(self, e: DiskEntry) -> bool:
         """An entry may be evicted when it is indexed and no entry, written or queued, hangs from it."""
@@ -524,7 +461,7 @@ class DiskStore:
     def _drop_corrupt(self, path: Path, why: str) -> None:
         self.stats.corrupt += 1
         log.warning("disk tier: %s is unusable (%s): deleted; its KV will be recomputed", path.name, why)
-        self._forget(path.name[: -len(_SUFFIX)], delete=False)
+        self._forget(path.name[: -len(SUFFIX)], delete=False)
         path.unlink(missing_ok=True)
 
     def _evict_over_budget(self) -> None:
@@ -552,20 +489,16 @@ class DiskStore:
             if name.endswith(".tmp"):
                 path.unlink(missing_ok=True)  # a write killed before its rename
                 continue
-            if not name.endswith(_SUFFIX) or not _NAME.match(name[: -len(_SUFFIX)]):
+            if not name.endswith(SUFFIX) or not _NAME.match(name[: -len(SUFFIX)]):
                 continue
             try:
-                with open(path, "rb") as fh:
-                    head = fh.read(8)
-                    size = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-                    body = fh.read(size) if 0 < size <= _HEADER_CAP else b""
-                meta = _header_metadata(head + body)
+                meta = read_metadata(path)
                 nbytes = path.stat().st_size
             except OSError as exc:
                 log.warning("disk tier: cannot read %s (%s); skipped", name, exc)
                 continue
-            pkey = name[: -len(_SUFFIX)]
-            why = "not a safetensors file" if meta is None else self._foreign(meta, pkey)
+            pkey = name[: -len(SUFFIX)]
+            why = "not a safetensors file" if meta is None else self._format.foreign(meta, pkey)
             if why:
                 self._drop_corrupt(path, why)
                 continue
@@ -611,20 +544,3 @@ class DiskStore:
             self._evict_over_budget()
         if self._entries:
             log.info("disk tier: %d files, %.1f MiB in %s", len(self._entries), self._used / MiB, self.directory)
-
-
-def _header_metadata(data: bytes) -> dict[str, str] | None:
-    """The ``__metadata__`` of a safetensors file's bytes (its first 8 + header bytes), or None."""
-    if len(data) < 8:
-        return None
-    size = struct.unpack("<Q", data[:8])[0]
-    if size < 2 or size > _HEADER_CAP or len(data) < 8 + size:
-        return None
-    try:
-        header = json.loads(data[8: 8 + size])
-    except ValueError:
-        return None
-    meta = header.get("__metadata__") if isinstance(header, dict) else None
-    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        return None
-    return meta

@@ -18,9 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ragcache_backend.cache.blocks import KVRun
-from ragcache_backend.cache.knowledge_tree import Node, SegmentKey
+from ragcache_backend.cache.knowledge_tree import Node, SegmentKey, TierName
 
-__all__ = ["ChunkLease", "ChunkPiece", "ChunkSpec", "ContextPart", "Lease", "Piece", "SegmentSpec", "VariantUse"]
+__all__ = ["AcquiredPrefix", "ChunkLease", "ChunkPiece", "ChunkSpec", "ContextPart", "Lease", "MatchResult", "Piece",
+           "SegmentSpec", "VariantUse"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -206,3 +207,24 @@ class Lease:
 
 ChunkLease = Lease
 """The chunk modes' name for :class:`Lease` (same type)."""
+
+
+@dataclass(slots=True, frozen=True)
+class MatchResult:
+    """Longest cached prefix of a request; read-only, pass it to ``acquire`` straight away."""
+
+    nodes: tuple[Node, ...]
+    tiers: tuple[TierName, ...]  # fastest tier each node was found in
+    cached_tokens: int
+
+
+@dataclass(slots=True)
+class AcquiredPrefix:
+    """A locked prefix, all on device. ``blocks[i]`` are the device block ids of ``nodes[i]``."""
+
+    nodes: tuple[Node, ...]
+    blocks: tuple[tuple[int, ...], ...]
+    device_hits: int  # nodes already on device
+    host_hits: int  # nodes swapped in from host
+    cached_tokens: int
+    disk_hits: int = 0  # nodes read back from the disk tier, then swapped in (not in host_hits)

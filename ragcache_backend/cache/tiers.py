@@ -29,8 +29,6 @@ thread-safe by design: callers serialize access (one scheduler thread).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-
 from ragcache_backend.cache.blocks import blocks_for
 from ragcache_backend.cache.chunk_reuse import RecomputeRule, VariantInfo, VariantStats
 from ragcache_backend.cache.device import DeviceTier
@@ -39,7 +37,7 @@ from ragcache_backend.cache.disk_tier import DiskTier
 from ragcache_backend.cache.host import HostTier
 from ragcache_backend.cache.invariants import check_invariants
 from ragcache_backend.cache.knowledge_tree import KnowledgeTree, Node, SegmentKey, TierName, approximate_key
-from ragcache_backend.cache.lease import Lease, SegmentSpec
+from ragcache_backend.cache.lease import AcquiredPrefix, Lease, MatchResult, SegmentSpec
 from ragcache_backend.cache.policy import get_policy
 from ragcache_backend.cache.profile import PrefillProfile
 from ragcache_backend.cache.stack import CacheStats, TierStack
@@ -48,27 +46,6 @@ from ragcache_backend.cache.variants import VariantStore
 from ragcache_backend.errors import CacheBudgetError, InvalidRequestError
 
 __all__ = ["AcquiredPrefix", "CacheStats", "KVMover", "MatchResult", "TieredCache", "Lease", "SegmentSpec"]
-
-
-@dataclass(slots=True, frozen=True)
-class MatchResult:
-    """Longest cached prefix of a request; read-only, pass it to ``acquire`` straight away."""
-
-    nodes: tuple[Node, ...]
-    tiers: tuple[TierName, ...]  # fastest tier each node was found in
-    cached_tokens: int
-
-
-@dataclass(slots=True)
-class AcquiredPrefix:
-    """A locked prefix, all on device. ``blocks[i]`` are the device block ids of ``nodes[i]``."""
-
-    nodes: tuple[Node, ...]
-    blocks: tuple[tuple[int, ...], ...]
-    device_hits: int  # nodes already on device
-    host_hits: int  # nodes swapped in from host
-    cached_tokens: int
-    disk_hits: int = 0  # nodes read back from the disk tier, then swapped in (not in host_hits)
 
 
 class TieredCache:
@@ -151,15 +128,6 @@ class TieredCache:
     @property
     def disk_used_bytes(self) -> int:
         return self._stack.disk.used_bytes if self._stack.disk is not None else 0
-
-    @property
-    def replica_depth(self) -> int:
-        """Nodes at this depth or above (1 = the system-prompt level) get a host copy when inserted."""
-        return self._stack.replica_depth
-
-    @replica_depth.setter
-    def replica_depth(self, depth: int) -> None:
-        self._stack.replica_depth = depth
 
     def clock(self, tier: TierName) -> float:
         """The tier's logical clock (eq. 2); starts at 0."""
@@ -312,23 +280,10 @@ class TieredCache:
         if tail:
             self.free(tail)
 
-    # ----------------------------------------------------------------- chunk modes (Cache-Craft §3)
-    def admit_chunks(self, specs: Sequence[SegmentSpec], tail_tokens: int, *, exact_upto: int,
-                     rule: RecomputeRule, fresh_above: float = 1.0) -> Lease | None:
-        """:meth:`admit` in a chunk mode (``rule`` given): documents may come from variants."""
-        return self.admit(specs, tail_tokens, exact_upto=exact_upto, rule=rule, fresh_above=fresh_above)
-
-    def commit_chunks(self, lease: Lease, rest_tokens: int, stats: Sequence[VariantStats | None]) -> None:
-        """:meth:`commit` with the statistics recorded per piece."""
-        self.commit(lease, rest_tokens, stats)
-
+    # ----------------------------------------------------------------- chunk variants (Cache-Craft §3.3)
     def configure_variants(self, *, fingerprint: str, per_chunk: int = 4, total: int = 1024) -> None:
         """See :meth:`VariantStore.configure` (the model fingerprint variants are served under, the caps)."""
         self._variants.configure(fingerprint=fingerprint, per_chunk=per_chunk, total=total)
-
-    @property
-    def variant_fingerprint(self) -> str:
-        return self._variants.fingerprint
 
     def variants(self, chunk: SegmentKey) -> list[Node]:
         """Resident variants of ``chunk`` recorded under this cache's fingerprint, oldest first."""

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from ragcache_backend.engine import batch
-from ragcache_backend.engine.request import FinishReason, GenerationResult, Request, RequestMetrics
+from ragcache_backend.engine.request import Request, RequestMetrics
 from ragcache_backend.engine.setup import EngineParts
 from ragcache_backend.errors import CacheBudgetError, InvalidRequestError, RAGCacheError, RequestCancelledError
 from ragcache_backend.model.forward import StepOutput
@@ -358,7 +358,7 @@ class EngineCore:
     def _after_token(self, req: Request, logits: torch.Tensor) -> None:
         try:
             token = sample_token(logits, req.sampling, req.generator)
-            reason = self._accept_token(req, token)
+            reason = req.accept(token, self.stop_ids)
         except Exception as exc:  # e.g. the caller's on_text raised
             self._fail(req, exc)
             return
@@ -373,54 +373,7 @@ class EngineCore:
         m.finished = time.perf_counter()
         self.stats.finished += 1
         if not req.handle.future.done():
-            req.handle.future.set_result(self._result(req, reason))
-
-    def _accept_token(self, req: Request, token: int) -> FinishReason | None:
-        """Take one sampled token: emit its text; return why the request ends, or None to go on."""
-        text, on_text = req.text, req.on_text
-        if token in self.stop_ids:
-            tail = text.flush()
-            if tail:
-                on_text(tail)
-            return "stop"
-        req.generated.append(token)
-        req.handle.metrics.generated_tokens = len(req.generated)
-        delta = text.push(token)
-        if delta:
-            on_text(delta)
-        if text.stopped:
-            return "stop"
-        if len(req.generated) >= req.sampling.max_tokens:
-            tail = text.flush()
-            if tail:
-                on_text(tail)
-            return "length"
-        return None
-
-    def _result(self, req: Request, reason: FinishReason) -> GenerationResult:
-        m, lease = req.handle.metrics, req.lease
-        return GenerationResult(
-            answer=req.text.emitted,
-            token_ids=tuple(req.generated),
-            finish_reason=reason,
-            ttft_s=m.first_token - m.submitted,
-            total_s=m.finished - m.submitted,
-            prompt_tokens=req.prompt_tokens,
-            cached_tokens=req.prompt_tokens - req.computed,
-            computed_tokens=req.computed,
-            device_hits=lease.device_hits if lease else 0,
-            host_hits=lease.host_hits if lease else 0,
-            disk_hits=lease.disk_hits if lease else 0,
-            documents=tuple(s.doc_id for s in req.segments if s.doc_id is not None),
-            dropped_documents=req.dropped,
-            model=self.loaded.name,
-            reuse=req.reuse,
-            chunk_cached_tokens=req.chunk_cached,
-            recomputed_tokens=req.recomputed,
-            chunk_hits=lease.chunk_hits if lease else 0,
-            guarded_chunks=req.guarded,
-            chunk_deviation=req.deviation,
-        )
+            req.handle.future.set_result(req.result(reason, self.loaded.name))
 
     # ---- failures ----------------------------------------------------------------------------------
     def _forget(self, req: Request) -> None:

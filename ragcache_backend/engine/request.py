@@ -240,3 +240,54 @@ class Request:
     def rest_tokens(self) -> int:
         """Prompt tokens past the lead (always computed)."""
         return len(self.plan.rest)
+
+    def accept(self, token: int, stop_ids: frozenset[int]) -> FinishReason | None:
+        """Take one sampled token: emit its text; return why the request ends, or None to go on.
+
+        Raises whatever ``on_text`` raises (the caller's callback).
+        """
+        text, on_text = self.text, self.on_text
+        if token in stop_ids:
+            tail = text.flush()
+            if tail:
+                on_text(tail)
+            return "stop"
+        self.generated.append(token)
+        self.handle.metrics.generated_tokens = len(self.generated)
+        delta = text.push(token)
+        if delta:
+            on_text(delta)
+        if text.stopped:
+            return "stop"
+        if len(self.generated) >= self.sampling.max_tokens:
+            tail = text.flush()
+            if tail:
+                on_text(tail)
+            return "length"
+        return None
+
+    def result(self, reason: FinishReason, model: str) -> GenerationResult:
+        """What the request gives back once it stopped for ``reason``."""
+        m, lease = self.handle.metrics, self.lease
+        return GenerationResult(
+            answer=self.text.emitted,
+            token_ids=tuple(self.generated),
+            finish_reason=reason,
+            ttft_s=m.first_token - m.submitted,
+            total_s=m.finished - m.submitted,
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.prompt_tokens - self.computed,
+            computed_tokens=self.computed,
+            device_hits=lease.device_hits if lease else 0,
+            host_hits=lease.host_hits if lease else 0,
+            disk_hits=lease.disk_hits if lease else 0,
+            documents=tuple(s.doc_id for s in self.segments if s.doc_id is not None),
+            dropped_documents=self.dropped,
+            model=model,
+            reuse=self.reuse,
+            chunk_cached_tokens=self.chunk_cached,
+            recomputed_tokens=self.recomputed,
+            chunk_hits=lease.chunk_hits if lease else 0,
+            guarded_chunks=self.guarded,
+            chunk_deviation=self.deviation,
+        )

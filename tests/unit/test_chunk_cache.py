@@ -1,4 +1,4 @@
-"""The cache's chunk-mode protocol (admit_chunks / commit_chunks / finish) on a simulated mover:
+"""The cache's chunk-mode protocol (admit with a recompute rule / commit with statistics / finish) on a simulated mover:
 which variant serves a chunk, what becomes an exact or an approximate tree node, the variant caps
 (Cache-Craft §3.3) and that nothing leaks."""
 
@@ -38,11 +38,11 @@ def stats_for(chunk: str, n: int, context: tuple[str, ...], inter: float = 1.0) 
 def run(cache: TieredCache, specs, *, exact_upto: int, alpha: float = 1.0, record: bool = True,
         fresh_above: float = 1.0):
     """admit -> (prefill) -> commit with statistics for every fresh document -> finish."""
-    lease = cache.admit_chunks(specs, tail_tokens=5, exact_upto=exact_upto, rule=RecomputeRule(alpha=alpha), fresh_above=fresh_above)
+    lease = cache.admit(specs, tail_tokens=5, exact_upto=exact_upto, rule=RecomputeRule(alpha=alpha), fresh_above=fresh_above)
     assert lease is not None
     stats = [stats_for(p.spec.key, p.spec.num_tokens, p.context) if record and p.spec.chunk and p.use is None else None
              for p in lease.pieces]
-    cache.commit_chunks(lease, rest_tokens=1, stats=stats)
+    cache.commit(lease, rest_tokens=1, stats=stats)
     cache.finish(lease)
     cache.check_invariants()
     assert cache.locked_nodes == 0 and cache.request_blocks == 0
@@ -57,7 +57,7 @@ def test_exact_context_becomes_tree_nodes_with_variants_and_a_moved_chunk_is_ser
     assert len(cache.variants(K("A"))) == 1 and len(cache.variants(K("B"))) == 1
     assert cache.variants(K("B"))[0].variant.start == 30
     # B first, then A, after a new question: SYS exact, both documents from their variants
-    lease = cache.admit_chunks([spec("SYS", 10, False), spec("Q2", 5, False), spec("B", 20), spec("A", 20)],
+    lease = cache.admit([spec("SYS", 10, False), spec("Q2", 5, False), spec("B", 20), spec("A", 20)],
                                tail_tokens=5, exact_upto=4, rule=RULE)
     assert [n.key for n in lease.prefix] == ["SYS"] and lease.cached_tokens == 10
     b, a = lease.pieces[1], lease.pieces[2]
@@ -65,7 +65,7 @@ def test_exact_context_becomes_tree_nodes_with_variants_and_a_moved_chunk_is_ser
     # B's variant saw (SYS, A): SYS still there, A now after it -> beta = 1/2, CFO = CCI * 1/2
     assert 0 < b.use.cfo < 1 and len(b.use.recompute) == pytest.approx(b.use.cfo * 20, abs=1)
     assert lease.reused_tokens + lease.recomputed_tokens == 40 and cache.locked_nodes == 3
-    cache.commit_chunks(lease, rest_tokens=1, stats=[None, None, None])
+    cache.commit(lease, rest_tokens=1, stats=[None, None, None])
     # the copy sources are unlocked at commit; SYS, Q2 and the two fixed chunks (now nodes) stay locked
     assert cache.locked_nodes == 4 and [p.node.approximate for p in lease.pieces] == [False, True, True]
     cache.finish(lease)
@@ -86,18 +86,18 @@ def test_a_fresh_chunk_after_reused_kv_is_an_approximate_node_and_a_variant():
     keys = [K("SYS"), K("Q"), K("A"), K("C")]
     assert [n.key for n in cache.tree.match_prefix(keys)] == ["SYS", "Q"]  # exact matching never reaches it
     # an exact repeat in a chunk mode reuses the whole prompt, approximate part included
-    again = cache.admit_chunks([spec("SYS", 10, False), spec("Q", 5, False), spec("A", 20), spec("C", 30)],
+    again = cache.admit([spec("SYS", 10, False), spec("Q", 5, False), spec("A", 20), spec("C", 30)],
                                tail_tokens=1, exact_upto=4, rule=RULE)
     assert len(again.prefix) == 4 and again.pieces == [] and again.approximate_prefix_tokens == 50
     cache.finish(again)
     # ... but never for a request that recomputes everything: its prefix stops at the exact KV
-    full = cache.admit_chunks([spec("SYS", 10, False), spec("Q", 5, False), spec("A", 20), spec("C", 30)],
+    full = cache.admit([spec("SYS", 10, False), spec("Q", 5, False), spec("A", 20), spec("C", 30)],
                               tail_tokens=1, exact_upto=4, rule=RecomputeRule("all"))
     assert [n.key for n in full.prefix] == ["SYS", "Q"] and full.approximate_prefix_tokens == 0
     assert all(p.use is None or len(p.use.recompute) == p.spec.num_tokens for p in full.pieces)
     cache.finish(full)
     # a later request elsewhere reuses the approximate node as C's variant
-    other = cache.admit_chunks([spec("SYS", 10, False), spec("C", 30)], tail_tokens=1, exact_upto=2, rule=RULE)
+    other = cache.admit([spec("SYS", 10, False), spec("C", 30)], tail_tokens=1, exact_upto=2, rule=RULE)
     assert other.pieces[0].use is not None and other.pieces[0].use.node is variants[0]
     cache.finish(other)  # released before commit: nothing inserted, nothing leaks
     assert cache.locked_nodes == 0 and cache.request_blocks == 0
@@ -107,7 +107,7 @@ def test_a_fresh_chunk_after_reused_kv_is_an_approximate_node_and_a_variant():
 def test_chunk_mode_serves_documents_from_variants_even_where_the_exact_path_exists():
     cache = make()
     run(cache, [spec("SYS", 10, False), spec("A", 20), spec("Q", 5, False)], exact_upto=3)
-    lease = cache.admit_chunks([spec("SYS", 10, False), spec("A", 20), spec("Q", 5, False)], tail_tokens=1,
+    lease = cache.admit([spec("SYS", 10, False), spec("A", 20), spec("Q", 5, False)], tail_tokens=1,
                                exact_upto=1, rule=RULE)
     use = lease.pieces[0].use
     assert [n.key for n in lease.prefix] == ["SYS"] and use is not None
@@ -122,11 +122,11 @@ def test_variants_of_another_model_or_of_an_edited_document_are_never_served():
     node = cache.variants(K("A"))[0]
     node.variant.fingerprint = "model-b/fp32"  # e.g. loaded from a file written under another model
     assert cache.variants(K("A")) == [] and len(cache.variants_any(K("A"))) == 1
-    lease = cache.admit_chunks([spec("SYS", 10, False), spec("Q", 3, False), spec("A", 20)], tail_tokens=1,
+    lease = cache.admit([spec("SYS", 10, False), spec("Q", 3, False), spec("A", 20)], tail_tokens=1,
                                exact_upto=3, rule=RULE)
     assert lease.pieces[1].use is None
     cache.finish(lease)
-    edited = cache.admit_chunks([spec("SYS", 10, False), spec("Q", 3, False), spec("A'", 20)], tail_tokens=1,
+    edited = cache.admit([spec("SYS", 10, False), spec("Q", 3, False), spec("A'", 20)], tail_tokens=1,
                                 exact_upto=3, rule=RULE)
     assert edited.pieces[1].use is None  # another content hash: another chunk
     cache.finish(edited)
@@ -137,7 +137,7 @@ def test_the_same_document_twice_in_a_prompt_is_a_variant_once():
     cache = make()
     lease = run(cache, [spec("SYS", 10, False), spec("A", 20), spec("Q", 3, False), spec("A", 20)], exact_upto=4)
     assert lease.pieces[3].context == ("SYS", "A", "Q") and len(cache.variants(K("A"))) == 1
-    again = cache.admit_chunks([spec("SYS", 10, False), spec("R", 3, False), spec("A", 20), spec("A", 20)],
+    again = cache.admit([spec("SYS", 10, False), spec("R", 3, False), spec("A", 20), spec("A", 20)],
                                tail_tokens=1, exact_upto=4, rule=RULE)
     assert again.pieces[1].use is not None and again.pieces[2].use is None  # the repeat is computed
     assert again.pieces[2].context == ("SYS", "R", "A")
@@ -164,11 +164,11 @@ def test_total_cap_and_budget_errors():
         run(cache, [spec("SYS", 10, False), spec(name, 10)], exact_upto=2)
     assert cache.num_variants == 3
     with pytest.raises(CacheBudgetError):
-        cache.admit_chunks([spec("BIG", 500)], tail_tokens=1, exact_upto=1, rule=RULE)
+        cache.admit([spec("BIG", 500)], tail_tokens=1, exact_upto=1, rule=RULE)
     with pytest.raises(ValueError):
         RecomputeRule(alpha=-1.0)
     with pytest.raises(InvalidRequestError):
-        cache.admit_chunks([spec("A", 10)], tail_tokens=-1, exact_upto=1, rule=RULE)
+        cache.admit([spec("A", 10)], tail_tokens=-1, exact_upto=1, rule=RULE)
     with pytest.raises(InvalidRequestError):
         cache.configure_variants(fingerprint="x", per_chunk=0)
     cache.check_invariants()
@@ -176,9 +176,9 @@ def test_total_cap_and_budget_errors():
 
 def test_no_room_now_returns_none_and_holds_nothing():
     cache = make(blocks=8)
-    first = cache.admit_chunks([spec("SYS", 10, False), spec("A", 30)], tail_tokens=20, exact_upto=2, rule=RULE)
+    first = cache.admit([spec("SYS", 10, False), spec("A", 30)], tail_tokens=20, exact_upto=2, rule=RULE)
     assert first is not None  # 1 + 3 + 2 blocks held
-    assert cache.admit_chunks([spec("B", 30)], tail_tokens=1, exact_upto=1, rule=RULE) is None
+    assert cache.admit([spec("B", 30)], tail_tokens=1, exact_upto=1, rule=RULE) is None
     assert cache.request_blocks == 6 and cache.locked_nodes == 0
     cache.finish(first)
     assert cache.request_blocks == 0 and cache.device_used_blocks == 0
@@ -191,7 +191,7 @@ def test_variants_swapped_to_host_are_swapped_back_in_to_serve():
     run(cache, [spec("X", 40, False), spec("Y", 30, False)], exact_upto=2)  # pushes A (and SYS) to host
     a = cache.variants(K("A"))
     assert a and not a[0].in_device and a[0].in_host
-    lease = cache.admit_chunks([spec("SYS", 10, False), spec("Q", 5, False), spec("A", 30)], tail_tokens=1,
+    lease = cache.admit([spec("SYS", 10, False), spec("Q", 5, False), spec("A", 30)], tail_tokens=1,
                                exact_upto=3, rule=RULE)
     assert lease is not None and lease.pieces[1].use is not None and lease.host_hits >= 1
     cache.finish(lease)
@@ -214,15 +214,15 @@ def test_on_equal_cfo_a_variant_computed_exactly_is_preferred():
     approx = cache.variants(K("A"))
     assert len(approx) == 1 and approx[0].approximate
     # the same context computed exactly (auto stops its exact prefix at X: a chunk-mode request computes A fresh)
-    lease = cache.admit_chunks([spec("SYS", 10, False), spec("X", 10, False), spec("A", 20)], tail_tokens=1,
+    lease = cache.admit([spec("SYS", 10, False), spec("X", 10, False), spec("A", 20)], tail_tokens=1,
                                exact_upto=3, rule=RecomputeRule(), fresh_above=0.0)
-    cache.commit_chunks(lease, 1, [stats_for(p.spec.key, p.spec.num_tokens, p.context) if p.spec.chunk else None
+    cache.commit(lease, 1, [stats_for(p.spec.key, p.spec.num_tokens, p.context) if p.spec.chunk else None
                                    for p in lease.pieces])
     cache.finish(lease)
     exact = [n for n in cache.variants(K("A")) if not n.approximate]
     assert len(exact) == 1
     # stats_for gives every variant the same sums: same CFO for an identical new context
-    again = cache.admit_chunks([spec("SYS", 10, False), spec("Y", 10, False), spec("A", 20)], tail_tokens=1,
+    again = cache.admit([spec("SYS", 10, False), spec("Y", 10, False), spec("A", 20)], tail_tokens=1,
                                exact_upto=3, rule=RULE)
     assert again.pieces[1].use is not None and again.pieces[1].use.node is exact[0]
     cache.finish(again)
@@ -235,7 +235,7 @@ def test_a_variant_whose_pinned_ancestors_leave_no_room_is_given_up_for_a_fresh_
     run(cache, [spec("SYS", 20, False), spec("DX", 200), spec("D", 300)], exact_upto=3)
     assert cache.device_used_blocks == 52
     # SYS + Q + D + tail = 37 blocks fit the arena, but not beside D's pinned path (52 + 35)
-    lease = cache.admit_chunks([spec("SYS", 20, False), spec("Q", 5, False), spec("D", 300)], tail_tokens=40,
+    lease = cache.admit([spec("SYS", 20, False), spec("Q", 5, False), spec("D", 300)], tail_tokens=40,
                                exact_upto=3, rule=RULE)
     assert lease is not None and [p.use for p in lease.pieces] == [None, None]
     assert cache.locked_nodes == 1 and cache.stats.variant_hits == 0  # only SYS is held
@@ -264,7 +264,7 @@ def test_a_failed_swap_in_of_a_variant_holds_nothing():
     assert not cache.variants(K("A"))[0].in_device
     mover.broken = True
     with pytest.raises(OSError, match="host copy failed"):
-        cache.admit_chunks([spec("X", 40, False), spec("Q", 5, False), spec("A", 30)], tail_tokens=1, exact_upto=3,
+        cache.admit([spec("X", 40, False), spec("Q", 5, False), spec("A", 30)], tail_tokens=1, exact_upto=3,
                            rule=RULE)  # X is matched (locked) before A's swap-in fails
     assert cache.locked_nodes == 0 and cache.request_blocks == 0
     cache.check_invariants()

@@ -1,0 +1,153 @@
+"""The disk tier's file format: one node's KV as a safetensors file with checksummed metadata.
+
+A file holds tensors ``k`` and ``v``, ``[layers, tokens, kv_heads, head_dim]`` in the model's dtype,
+and string metadata: format version, model fingerprint, path key, parent path key, segment key,
+token count, the node's statistics (frequency, mean cost per token) and the SHA-256 of the
+tensors' bytes, then of the chunk-variant record when there is one (a file without a variant has
+the same digest as before variants were stored). Files are never unpickled (safetensors only); a
+file whose header is truncated, whose metadata is foreign (another format, model, dtype, name) or
+whose tensors fail the shape, dtype or checksum test is refused with the reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+__all__ = ["FORMAT", "SUFFIX", "FileHeader", "KVFileFormat", "kv_digest", "read_metadata"]
+
+FORMAT = 1
+"""File format version: part of the folder name and of each file's metadata."""
+SUFFIX = ".kv.safetensors"
+_HEADER_CAP = 1 << 20  # a safetensors header of two tensors is < 1 KiB; more is a foreign file
+
+
+def kv_digest(k: torch.Tensor, v: torch.Tensor, variant: str = "") -> str:
+    """SHA-256 of the tensors' bytes, then of the variant record (if any)."""
+    digest = hashlib.sha256()
+    for t in (k, v):
+        digest.update(memoryview(t.contiguous().view(torch.uint8).numpy()))
+    if variant:
+        digest.update(b"\x00variant\x00")
+        digest.update(variant.encode())
+    return digest.hexdigest()
+
+
+@dataclass(slots=True, frozen=True)
+class FileHeader:
+    """What a file says about its node besides the KV (all written as metadata strings).
+
+    Attributes:
+        path_key, parent, key: the node's path key, its parent's, its segment key.
+        num_tokens: tokens of KV (>= 1).
+        frequency, avg_cost: the node's statistics (requests; seconds per token).
+        variant: the chunk-variant record as JSON, or "".
+    """
+
+    path_key: str
+    parent: str
+    key: str
+    num_tokens: int
+    frequency: int
+    avg_cost: float
+    variant: str = ""
+
+
+@dataclass(slots=True, frozen=True)
+class KVFileFormat:
+    """Encodes and checks the files of one model.
+
+    Attributes:
+        fingerprint: the model's identity; a file of another is foreign.
+        layout: ``(layers, kv_heads, head_dim)``.
+        dtype: the KV dtype.
+    """
+
+    fingerprint: str
+    layout: tuple[int, int, int]
+    dtype: torch.dtype
+
+    def encode(self, header: FileHeader, k: torch.Tensor, v: torch.Tensor) -> bytes:
+        """The file's bytes for ``k``, ``v`` (``[layers, tokens, kv_heads, head_dim]``) and ``header``."""
+        meta = {"format": str(FORMAT), "fingerprint": self.fingerprint, "path_key": header.path_key,
+                "parent": header.parent, "key": header.key, "num_tokens": str(header.num_tokens),
+                "sha256": kv_digest(k, v, header.variant), "frequency": str(header.frequency),
+                "avg_cost": repr(float(header.avg_cost))}
+        if header.variant:
+            meta["variant"] = header.variant
+        return st_save({"k": k.contiguous(), "v": v.contiguous()}, metadata=meta)
+
+    def decode(self, data: bytes, pkey: str) -> tuple[str, tuple[torch.Tensor, torch.Tensor] | None]:
+        """``("", (k, v))`` for a good file named ``pkey``, else ``(what is wrong, None)``."""
+        meta = header_metadata(data)
+        if meta is None:
+            return "not a safetensors file (truncated header)", None
+        why = self.foreign(meta, pkey)
+        if why:
+            return why, None
+        try:
+            tensors = st_load(data)
+        except Exception as exc:  # safetensors raises its own error type for a truncated body
+            return f"unreadable tensors ({type(exc).__name__})", None
+        k, v = tensors.get("k"), tensors.get("v")
+        n = int(meta["num_tokens"])
+        shape = (self.layout[0], n, self.layout[1], self.layout[2])
+        if k is None or v is None or tuple(k.shape) != shape or tuple(v.shape) != shape:
+            return "tensors of the wrong shape", None
+        if k.dtype != self.dtype or v.dtype != self.dtype:
+            return f"tensors of dtype {k.dtype}, expected {self.dtype}", None
+        if kv_digest(k, v, meta.get("variant", "")) != meta["sha256"]:
+            return "checksum mismatch", None
+        return "", (k, v)
+
+    def foreign(self, meta: dict[str, str], pkey: str | None) -> str:
+        """Why a file's metadata does not belong to this model's files ("" if it does)."""
+        if meta.get("format") != str(FORMAT):
+            return f"format {meta.get('format')!r}, expected {FORMAT}"
+        if meta.get("fingerprint") != self.fingerprint:
+            return "written for another model or dtype"
+        if pkey is not None and meta.get("path_key") != pkey:
+            return "its path key does not match its name"
+        for field in ("parent", "key", "num_tokens", "sha256"):
+            if field not in meta:
+                return f"metadata lacks {field!r}"
+        if not meta["num_tokens"].isdigit() or int(meta["num_tokens"]) < 1:
+            return "bad token count"
+        return ""
+
+
+def read_metadata(path: Path) -> dict[str, str] | None:
+    """The metadata of the file at ``path`` from its header alone (the body is not read), or None.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        size = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        body = fh.read(size) if 0 < size <= _HEADER_CAP else b""
+    return header_metadata(head + body)
+
+
+def header_metadata(data: bytes) -> dict[str, str] | None:
+    """The ``__metadata__`` of a safetensors file's bytes (its first 8 + header bytes), or None."""
+    if len(data) < 8:
+        return None
+    size = struct.unpack("<Q", data[:8])[0]
+    if size < 2 or size > _HEADER_CAP or len(data) < 8 + size:
+        return None
+    try:
+        header = json.loads(data[8: 8 + size])
+    except ValueError:
+        return None
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        return None
+    return meta
