@@ -380,12 +380,14 @@ class RAGCacheEngine(EngineCore):
 
     @staticmethod
     async def _await(handle: RequestHandle) -> GenerationResult:
+        inner = asyncio.wrap_future(handle.future)
         try:
-            return await asyncio.shield(asyncio.wrap_future(handle.future))
+            return await asyncio.shield(inner)
         finally:
             if not handle.done():  # the awaiting task was cancelled
                 handle.cancel()
                 await _settled(handle)
+            inner.add_done_callback(_retrieved)  # the shielded future's error is the caller's, already raised or moot
 
     async def astream(self, question: str, documents: Sequence[DocumentLike] = (), sampling: SamplingParams | None = None,
                       **kw) -> AsyncIterator[StreamChunk]:
@@ -439,6 +441,12 @@ class RAGCacheEngine(EngineCore):
 
     def __exit__(self, *exc) -> None:
         self.close(cancel=exc[0] is not None)
+
+
+def _retrieved(fut: asyncio.Future) -> None:
+    """Mark an asyncio future's exception as retrieved (asyncio logs one nobody read)."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 async def _settled(handle: RequestHandle) -> None:

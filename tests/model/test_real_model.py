@@ -15,7 +15,7 @@ from ragcache_backend.config import EngineConfig
 from ragcache_backend.demo.demo import run_demo
 from ragcache_backend.engine.engine import RAGCacheEngine
 from ragcache_backend.model.sampling import SamplingParams
-from tests.unit.test_engine import first_logits
+from tests.engine.test_engine import first_logits
 
 pytestmark = pytest.mark.model
 

@@ -1,7 +1,7 @@
 """Attention-path kernels: RoPE and attention over gathered paged KV.
 
 The torch implementations here are the reference that runs on every device. Any accelerated
-path (CUDA/Triton) must match them in ``tests/unit/test_kernels.py``.
+path (CUDA/Triton) must match them in ``tests/model/test_kernels.py``.
 """
 
 from ragcache_backend.model.kernels.attention import (

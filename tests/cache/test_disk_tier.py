@@ -20,7 +20,7 @@ from ragcache_backend.cache.disk import FORMAT, DiskStore, path_key
 from ragcache_backend.cache.policy import NodeStats
 from ragcache_backend.errors import InvalidRequestError
 from ragcache_backend.model.sampling import SamplingParams
-from tests.unit.test_engine import DOCS, assert_no_leak, make_engine
+from tests.engine.test_engine import DOCS, assert_no_leak, make_engine
 
 GREEDY = SamplingParams(max_tokens=8)
 Q = "What is the GIL?"

@@ -10,7 +10,7 @@ from ragcache_backend.errors import CacheBudgetError, InvalidRequestError, Unkno
 from ragcache_backend.cache.knowledge_tree import Node, SegmentKey, TierName
 from ragcache_backend.cache.profile import PrefillProfile
 from ragcache_backend.cache.tiers import TieredCache
-from tests.unit.sim_mover import SimulatedMover
+from tests.cache.sim_mover import SimulatedMover
 
 DEV, HOST = TierName.DEVICE, TierName.HOST
 BS = 10  # tokens per block in the hand-computed cases

@@ -12,7 +12,7 @@ from ragcache_backend.cache.lease import ChunkSpec
 from ragcache_backend.cache.profile import PrefillProfile
 from ragcache_backend.cache.tiers import TieredCache
 from ragcache_backend.errors import CacheBudgetError, InvalidRequestError
-from tests.unit.sim_mover import SimulatedMover
+from tests.cache.sim_mover import SimulatedMover
 
 PROFILE = PrefillProfile(alphas=(0, 1000), betas=(1, 1001), times=((0.01, 10.01), (0.02, 20.02)))
 K = SegmentKey

@@ -18,8 +18,8 @@ from safetensors.torch import save as st_save
 from ragcache_backend.cache.chunk_reuse import VariantInfo, VariantStats, variant_from_json, variant_to_json
 from ragcache_backend.engine.engine import RAGCacheEngine
 from ragcache_backend.model.sampling import SamplingParams
-from tests.unit.test_chunk_engine import DOCS, assert_clean
-from tests.unit.test_chunk_engine import make as make_chunk_engine
+from tests.engine.test_chunk_engine import DOCS, assert_clean
+from tests.engine.test_chunk_engine import make as make_chunk_engine
 
 GREEDY = SamplingParams(max_tokens=8)
 FIRST = ("What is the GIL?", DOCS[:3])

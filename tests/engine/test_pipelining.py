@@ -20,7 +20,7 @@ from ragcache_backend.engine.scheduler import SpeculationDecision, decide_specul
 from ragcache_backend.errors import EmptyQueryError, RequestCancelledError, RetrievalError
 from ragcache_backend.model.sampling import SamplingParams
 
-from tests.unit.test_engine import assert_no_leak, make_engine
+from tests.engine.test_engine import assert_no_leak, make_engine
 
 A = "The global interpreter lock (GIL) lets one thread run Python bytecode at a time. " * 5
 B = "Lists are mutable sequences; tuples are immutable and can be dictionary keys. " * 5
