@@ -68,6 +68,7 @@ def main() -> None:
     if not script:
         ap.error("give the benchmark after --")
     metrics = dict(m.split("=", 1) for m in args.metric)
+    args.out = args.out.resolve()  # the runs' working folders are their trees
     trees = {"base": worktree(args.base), "new": ROOT}
     args.out.mkdir(parents=True, exist_ok=True)
     values: dict[str, dict[str, list[float]]] = {name: {"base": [], "new": []} for name in metrics}

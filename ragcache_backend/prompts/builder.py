@@ -217,5 +217,5 @@ def plan_prompt(segments: Sequence[Segment], *, whole_prompt: bool = True) -> Pr
     *body, last = segments
     lead = list(body)
     if len(last) > 1:
-        lead.append(Segment(last.token_ids[:-1], last.kind, cacheable=True, doc_id=last.doc_id))
+        lead.append(Segment(last.token_ids[:-1], last.kind, cacheable=True, doc_id=last.doc_id, salt=last.salt))
     return PromptPlan(tuple(lead), last.token_ids[-1:])

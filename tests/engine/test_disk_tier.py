@@ -159,6 +159,19 @@ def test_salts_never_share_kv_in_any_tier(tiny_model, fixed_profile, tmp_path):
         e2.generate(Q, DOCS, GREEDY, cache_salt="x" * 1000)
 
 
+def test_a_one_segment_prompt_is_salted_too(tiny_model, fixed_profile):
+    """A prompt of one segment (a plain chat message with no recognised document) is cached as its
+    own leading node: that node's key carries the salt, so another tenant never reuses it."""
+    e = make_engine(tiny_model, fixed_profile)
+    (segment,) = e.prompts.build(Q, [])[-1:]  # the question alone: one segment
+    a1 = e.generate_segments([segment], GREEDY, cache_salt="tenant-a")
+    b1 = e.generate_segments([segment], GREEDY, cache_salt="tenant-b")
+    a2 = e.generate_segments([segment], GREEDY, cache_salt="tenant-a")
+    assert a1.cached_tokens == 0 and b1.cached_tokens == 0
+    assert a2.cached_tokens == a2.prompt_tokens - 1
+    assert_no_leak(e)
+
+
 def test_a_full_disk_loses_files_not_requests(tiny_model, fixed_profile, tmp_path, monkeypatch):
     real_replace = os.replace
 
