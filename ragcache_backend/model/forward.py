@@ -17,6 +17,7 @@ import torch
 from ragcache_backend.cache.blocks import KVRun
 from ragcache_backend.model.chunk_rows import BlendSelection, ChunkRows, FocusSelection
 from ragcache_backend.model.kernels import native
+from ragcache_backend.model.kernels.linear import StepRowClasses
 
 __all__ = ["MAX_STAT_SEGMENTS", "ForwardInput", "SegmentAttention", "StepOutput", "StepRows"]
 
@@ -123,6 +124,7 @@ class StepRows:
         native_batch: the native kernel's batch over the ordinary sequences (None: none, or no kernel).
         native_rows: their rows in the step (None: every row is theirs).
         rope: dtype -> ``(cos, sin)`` tables for ``positions`` (cleared when rows stop).
+        gemm_rows: which rows are prompt rows, for the layer GEMMs (updated when rows stop).
     """
 
     num_layers: int
@@ -139,6 +141,17 @@ class StepRows:
     native_batch: object | None = None
     native_rows: torch.Tensor | None = None
     rope: dict = field(default_factory=dict)
+    gemm_rows: StepRowClasses | None = None
+
+    def classify_rows(self) -> StepRowClasses:
+        """The step's rows by class for the layer GEMMs (:func:`~ragcache_backend.model.kernels.linear.step_rows`)."""
+        classes = StepRowClasses.of(self.lengths, self.decode)
+        if self.gemm_rows is None:
+            self.gemm_rows = classes
+        else:  # the object the GEMMs' context holds is updated in place
+            self.gemm_rows.rows, self.gemm_rows.prompt = classes.rows, classes.prompt
+            self.gemm_rows.decode, self.gemm_rows.split = classes.decode, classes.split
+        return self.gemm_rows
 
     @property
     def offsets(self) -> list[int]:
@@ -187,5 +200,6 @@ class StepRows:
             local = torch.tensor([r for r in range(c.hi - c.lo) if r not in drop], dtype=torch.int64, device=self.device)
             c.keep(local, new_offsets[c.index], layer + 1)
         self.plan_native()
+        self.classify_rows()
         return tuple(t.index_select(0, keep) for t in rows_tensors)
 

@@ -119,7 +119,7 @@ class PagedLlama:
         layers = list(inner.layers)
         self._norm = inner.norm
         head = loaded.model.lm_head
-        self._lm_head = pack_linear(head.weight, head.bias)
+        self._lm_head = pack_linear(head.weight, head.bias, per_step=False)  # rows picked out of the step
         self.num_layers = len(layers)
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads

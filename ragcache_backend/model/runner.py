@@ -37,6 +37,7 @@ from ragcache_backend.model.arena import HostKV, KVArena
 from ragcache_backend.model.chunk_rows import ChunkRows
 from ragcache_backend.model.forward import MAX_STAT_SEGMENTS, ForwardInput, SegmentAttention, StepOutput, StepRows
 from ragcache_backend.model.kernels import attention_plan
+from ragcache_backend.model.kernels.linear import step_rows
 from ragcache_backend.model.llama import PagedLlama
 from ragcache_backend.model.loader import LoadedModel
 
@@ -226,7 +227,8 @@ class ModelRunner:
         st.plan_native()
         ids = torch.tensor([t for item in batch for t in item.new_tokens], dtype=torch.int64, device=self.device)
         h = self.layers.embed(ids)  # [N, hidden]
-        normed = self.layers.run(h, st, self.arena)
+        with step_rows(st.classify_rows()):  # on AMX CPUs the GEMMs treat prompt and decode rows apart
+            normed = self.layers.run(h, st, self.arena)
         offsets = st.offsets
         rows = torch.arange(offsets[-1]) if all_logits else torch.tensor(offsets[1:]) - 1
         normed = normed.index_select(0, rows.to(self.device))

@@ -34,3 +34,24 @@ def test_bf16_rows_do_not_depend_on_how_many_rows_run_together():
         if not torch.equal(lin(x[-1:]), lin(x)[-1:]) or not torch.equal(lin(x[:1]), lin(x)[:1]):
             mismatched.append(rows)
     assert mismatched == []
+
+
+def test_rows_round_the_same_whatever_step_they_share():
+    """A step's prompt rows and generated tokens' rows (in either order) equal the same rows computed
+    in other company: a prefill alone, the prompt's last token alone (a cache hit), a decode-only
+    step. Holds on every CPU; on AMX CPUs it needs the rows split by class."""
+    from ragcache_backend.model.kernels.linear import StepRowClasses, step_rows
+
+    g = torch.Generator().manual_seed(2)
+    lin = pack_linear((torch.randn(576, 1536, generator=g) * 0.03).bfloat16())
+    x = torch.randn(70, 1536, generator=g).bfloat16()
+    prompt, decode = x[:60], x[60:]
+    with step_rows(StepRowClasses.of([60] + [1] * 10, [False] + [True] * 10)):
+        mixed = lin(x)
+    with step_rows(StepRowClasses.of([1] * 10, [True] * 10)):
+        decode_only = lin(decode)
+    with step_rows(StepRowClasses.of([1] * 10 + [60], [True] * 10 + [False])):
+        reordered = lin(torch.cat((decode, prompt)))
+    assert torch.equal(mixed[:60], lin(prompt)) and torch.equal(mixed[59:60], lin(prompt[-1:]))
+    assert torch.equal(mixed[60:], decode_only)
+    assert torch.equal(reordered[:10], decode_only) and torch.equal(reordered[10:], mixed[:60])
