@@ -14,6 +14,7 @@ thread-safe: callers serialize access.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from ragcache_backend.cache.blocks import BlockAllocator, blocks_for
@@ -56,10 +57,12 @@ class DeviceTier:
             raise InvalidRequestError(f"block_size must be >= 1 token, got {block_size}")
         self.block_size = block_size
         self.evictor: Evictor[Node] = Evictor(DEVICE, policy, _is_leaf)
-        self._mover = mover
+        self.mover = mover  # copies KV between the arena and host buffers
         self._locks = locks
         self._alloc = BlockAllocator(num_blocks)
         self._request_blocks: set[int] = set()
+        #: seconds spent in the mover's copies into the arena (swap in)
+        self.copy_s = 0.0
 
     # ---- sizes ---------------------------------------------------------------------------------
     @property
@@ -82,14 +85,17 @@ class DeviceTier:
 
     @property
     def block_bytes(self) -> int:
-        return self._mover.host_nbytes(self.block_size)
+        """Bytes of KV one block holds (``block_size`` tokens, as the mover counts them)."""
+        return self.mover.host_nbytes(self.block_size)
 
     @property
     def budget_bytes(self) -> int:
+        """The arena's capacity, bytes (``num_blocks * block_bytes``)."""
         return self.num_blocks * self.block_bytes
 
     @property
     def used_bytes(self) -> int:
+        """Bytes of the blocks held by nodes and requests."""
         return self.num_used * self.block_bytes
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -144,6 +150,7 @@ class DeviceTier:
 
     # ---- the tier protocol -------------------------------------------------------------------
     def contains(self, node: Node) -> bool:
+        """True if the node's KV is in the arena."""
         return node.in_device
 
     def put(self, node: Node, kv: KVHandle) -> bool:
@@ -155,26 +162,30 @@ class DeviceTier:
                 on device already, or its parent is not (it would be an orphan).
         """
         self._check_parent(node)
-        if self._mover.kv_tokens(kv) != node.num_tokens:
-            raise InvalidRequestError(f"a copy of {self._mover.kv_tokens(kv)} tokens cannot be {node!r}'s KV")
+        if self.mover.kv_tokens(kv) != node.num_tokens:
+            raise InvalidRequestError(f"a copy of {self.mover.kv_tokens(kv)} tokens cannot be {node!r}'s KV")
         need = self.blocks_for(node.num_tokens)
         if need > self._alloc.num_free:
             return False
         blocks = self._alloc.allocate(need)
+        t0 = time.perf_counter()
         try:
-            self._mover.swap_in(kv, blocks)
+            self.mover.swap_in(kv, blocks)
         except BaseException:
             self._alloc.free(blocks)
             raise
+        finally:
+            self.copy_s += time.perf_counter() - t0
         node.device_blocks = blocks
         self.evictor.reprice(node)
         return True
 
     def get(self, node: Node) -> KVHandle | None:
-        """A new host copy of the node's KV (swap out), or None if it is not on device."""
+        """A new host copy of the node's KV (swap out; the caller owns it and frees it with the
+        mover unless it hands it to another tier), or None if it is not on device."""
         if node.device_blocks is None:
             return None
-        return self._mover.swap_out(node.device_blocks, node.num_tokens)
+        return self.mover.swap_out(node.device_blocks, node.num_tokens)
 
     def drop(self, node: Node) -> None:
         """Free the node's blocks; its parent may become a device leaf."""
@@ -186,6 +197,7 @@ class DeviceTier:
             self.evictor.offer(node.parent)
 
     def make_room(self, nbytes: int, demote: Demote) -> bool:
+        """:meth:`make_room_blocks` for ``nbytes`` bytes, rounded up to whole blocks."""
         return self.make_room_blocks(-(-nbytes // self.block_bytes), demote)
 
     def make_room_blocks(self, num_blocks: int, demote: Demote) -> bool:
@@ -198,7 +210,11 @@ class DeviceTier:
             return False  # checked first so that a failure evicts nothing
         while self._alloc.num_free < num_blocks:  # Alg. 1 line 18
             victim = self.evictor.pop()  # lines 19-21 (the clock advances)
-            demote(victim)
+            try:
+                demote(victim)
+            except BaseException:
+                self.evictor.offer(victim)  # still here: it stays a candidate
+                raise
             if victim.in_device:
                 raise AssertionError(f"{victim!r} was not taken off the device by its demotion")
         return True
@@ -216,6 +232,7 @@ class DeviceTier:
         return self._alloc.num_used - len(self._request_blocks) - pinned_blocks
 
     def eviction_order(self) -> list[str]:
+        """Path keys of the device leaves, first victim first."""
         return [n.path_key for n in self.evictor.order()]
 
     # ---- checks --------------------------------------------------------------------------------

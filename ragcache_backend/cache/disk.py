@@ -59,7 +59,7 @@ from ragcache_backend.cache.evictor import Evictor
 from ragcache_backend.cache.knowledge_tree import TierName, path_key
 from ragcache_backend.cache.kv_file import FORMAT, SUFFIX, FileHeader, KVFileFormat, read_metadata
 from ragcache_backend.cache.policy import NodeStats, get_policy
-from ragcache_backend.errors import InvalidRequestError
+from ragcache_backend.errors import CorruptFileError, InvalidRequestError
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +179,7 @@ class DiskStore:
         self._used = 0
         self._pending: dict[str, int] = {}  # path key -> bytes queued for writing
         self._pending_children: Counter[str] = Counter()  # parent path key -> its children queued
+        self._discard: set[str] = set()  # queued writes deleted before they landed
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._closed = False
         self._scan()
@@ -204,9 +205,9 @@ class DiskStore:
             return iter(list(self._entries.values()))
 
     def contains(self, pkey: str) -> bool:
-        """True if a file for ``pkey`` is on disk or queued."""
+        """True if a file for ``pkey`` is on disk or queued (and not deleted meanwhile)."""
         with self._lock:
-            return pkey in self._entries or pkey in self._pending
+            return pkey in self._entries or (pkey in self._pending and pkey not in self._discard)
 
     def lookup(self, pkey: str) -> DiskEntry | None:
         """The entry of path key ``pkey``, or None."""
@@ -250,11 +251,13 @@ class DiskStore:
         except OSError as exc:
             log.warning("disk tier: cannot read %s (%s); recomputing", path.name, exc)
             return None
-        problem, kv = self._format.decode(data, entry.path_key)
-        self.stats.read_s += time.perf_counter() - t0
-        if kv is None:
-            self._drop_corrupt(path, problem)
+        try:
+            kv = self._format.decode(data, entry.path_key)
+        except CorruptFileError as exc:
+            self._drop_corrupt(path, str(exc))
             return None
+        finally:
+            self.stats.read_s += time.perf_counter() - t0
         self.stats.loaded += 1
         self.touch(entry)
         return kv
@@ -274,16 +277,19 @@ class DiskStore:
             return [e.path_key for e in self._evictor.order()]
 
     def delete(self, pkey: str) -> None:
-        """Delete entry ``pkey``'s file (no-op if absent).
+        """Delete entry ``pkey``'s file (no-op if absent); a queued write of it is discarded when it lands.
 
         Raises:
-            InvalidRequestError: other entries hang from it (they would be orphans).
+            InvalidRequestError: other entries, written or queued, hang from it (they would be orphans).
         """
         with self._lock:
             e = self._entries.get(pkey)
-            if e is not None and (e.children or self._pending_children[pkey]):
+            if (e is not None and e.children) or self._pending_children.get(pkey):
                 raise InvalidRequestError(f"disk entry {pkey} has children on disk: delete them first")
-        self._forget(pkey, delete=True)
+            if pkey in self._pending:
+                self._discard.add(pkey)
+            self._forget_locked(pkey)
+        self._file(pkey).unlink(missing_ok=True)
 
     # ---- writes --------------------------------------------------------------------------------
     def put(self, pkey: str, parent: str, key: str, k: torch.Tensor, v: torch.Tensor, stats: NodeStats,
@@ -362,7 +368,7 @@ class DiskStore:
     def _write(self, job: _Job) -> None:
         t0 = time.perf_counter()
         e = job.entry
-        record = variant_to_json(e.variant) if e.variant is not None else ""
+        record = variant_to_json(e.variant) if e.variant is not None else None
         header = FileHeader(e.path_key, e.parent, e.key, e.num_tokens, e.frequency, e.avg_cost, record)
         final = self._file(e.path_key)
         tmp = final.with_name(f".{e.path_key}.{os.getpid()}.tmp")
@@ -381,14 +387,17 @@ class DiskStore:
                 self._done(e)
             return
         e.nbytes = len(data)
-        self.stats.writes += 1
         self.stats.write_s += time.perf_counter() - t0
         with self._lock:
             self._done(e)
-            if self._add(e):
+            if e.path_key not in self._discard and self._add(e):
+                self.stats.writes += 1
                 self._evict_over_budget()
-            else:  # its parent left the disk meanwhile (it can only have been damaged)
-                final.unlink(missing_ok=True)
+                return
+            # deleted while queued, or its parent left the disk meanwhile (it was damaged)
+            self._discard.discard(e.path_key)
+            self.stats.skipped += 1
+            final.unlink(missing_ok=True)
 
     def _done(self, e: DiskEntry) -> None:
         """A queued write finished or failed (lock held)."""
@@ -447,16 +456,29 @@ class DiskStore:
                     del self._by_chunk[e.key]
 
     def _forget(self, pkey: str, *, delete: bool) -> None:
+        """Take entry ``pkey`` out of the index (its file deleted with ``delete``) and the entries
+        below it with their files: they are unreachable without its KV."""
         with self._lock:
-            e = self._entries.pop(pkey, None)
-            if e is None:
-                return
-            self._unindex(e)
-            self._evictor.forget(e)
-            self._used -= e.nbytes
-            self._child_gone(e.parent)
-        if delete:
-            self._file(pkey).unlink(missing_ok=True)
+            gone = self._forget_locked(pkey)
+        for k in gone[1:] if not delete else gone:
+            self._file(k).unlink(missing_ok=True)
+
+    def _forget_locked(self, pkey: str) -> list[str]:
+        """:meth:`_forget` with the lock held; returns the path keys taken out (``pkey`` first)."""
+        e = self._entries.pop(pkey, None)
+        if e is None:
+            return []
+        self._unindex(e)
+        self._evictor.forget(e)
+        self._used -= e.nbytes
+        self._child_gone(e.parent)
+        gone = [pkey]
+        if e.children:  # (only when its file turned out missing or damaged)
+            below = [x.path_key for x in self._entries.values() if x.parent == pkey]
+            for child in below:
+                gone += self._forget_locked(child)
+            log.info("disk tier: %d file(s) below %s deleted with it", len(gone) - 1, pkey)
+        return gone
 
     def _drop_corrupt(self, path: Path, why: str) -> None:
         self.stats.corrupt += 1

@@ -11,6 +11,9 @@ A remote tier shared by replicas is meant to be another class of this shape.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from ragcache_backend.cache.chunk_reuse import VariantInfo
 from ragcache_backend.cache.disk import DiskEntry, DiskStore
 from ragcache_backend.cache.knowledge_tree import Node, TierName
 from ragcache_backend.cache.tier import Demote, KVHandle, KVMover
@@ -25,8 +28,8 @@ class DiskTier:
     Args:
         store: the folder of KV files.
         mover: converts host copies to tensors and back.
-        variant_fingerprint: chunk-variant records are written only for variants of this
-            fingerprint (the cache's model and dtype).
+        keep_variant: whether a node's chunk-variant record is written with it (the cache's
+            variant store says: records of its model and dtype only); default all.
 
     Writes are asynchronous: :meth:`put` queues a file and returns; :meth:`contains` is true from
     then on. The store evicts by its own policy when a write lands over the budget.
@@ -34,21 +37,25 @@ class DiskTier:
 
     name = TierName.DISK
 
-    def __init__(self, store: DiskStore, mover: KVMover, variant_fingerprint: str = "") -> None:
+    def __init__(self, store: DiskStore, mover: KVMover,
+                 keep_variant: Callable[[VariantInfo], bool] = lambda _info: True) -> None:
         self.store = store
-        self.variant_fingerprint = variant_fingerprint
+        self._keep_variant = keep_variant
         self._mover = mover
 
     @property
     def budget_bytes(self) -> int:
+        """The folder's budget, bytes."""
         return self.store.budget_bytes
 
     @property
     def used_bytes(self) -> int:
+        """Bytes of the files written (queued writes not counted)."""
         return self.store.used_bytes
 
     # ---- the tier protocol -------------------------------------------------------------------
     def contains(self, node: Node) -> bool:
+        """True if the node's file is written or queued."""
         return self.store.contains(node.path_key)
 
     def put(self, node: Node, kv: KVHandle) -> bool:
@@ -62,18 +69,23 @@ class DiskTier:
             raise InvalidRequestError(f"a copy of {self._mover.kv_tokens(kv)} tokens cannot be {node!r}'s KV")
         parent = node.parent.path_key if node.parent is not None else ""
         k, v = self._mover.host_tensors(kv)
-        info = node.variant if node.variant is not None and node.variant.fingerprint == self.variant_fingerprint else None
+        info = node.variant if node.variant is not None and self._keep_variant(node.variant) else None
         return self.store.put(node.path_key, parent, node.key, k, v, node.stats(), variant=info)
 
     def get(self, node: Node) -> KVHandle | None:
-        """The node's KV read back and verified, or None (absent, another length, or damaged:
-        a damaged file is deleted and counted)."""
+        """The node's KV read back and verified as a new host copy (the caller owns it), or None
+        (absent, another length, or damaged: a damaged file is deleted and counted)."""
         entry = self.store.lookup(node.path_key)
         if entry is None or entry.num_tokens != node.num_tokens:
             return None
         return self.read(entry)
 
     def drop(self, node: Node) -> None:
+        """Delete the node's file (a queued write of it is discarded when it lands).
+
+        Raises:
+            InvalidRequestError: files of its children are on disk or queued (they would be orphans).
+        """
         self.store.delete(node.path_key)
 
     def make_room(self, nbytes: int, demote: Demote) -> bool:
@@ -81,6 +93,7 @@ class DiskTier:
         return 0 < nbytes <= self.store.budget_bytes
 
     def eviction_order(self) -> list[str]:
+        """Path keys of the files no other file hangs from, first victim first."""
         return self.store.eviction_order()
 
     # ---- a tier below memory -------------------------------------------------------------------
@@ -94,9 +107,9 @@ class DiskTier:
         return None if kv is None else self._mover.host_from_tensors(*kv)
 
     def variants(self, chunk: str, num_tokens: int) -> list[DiskEntry]:
-        """Entries that are variants of ``chunk`` of ``num_tokens`` tokens under this fingerprint."""
-        return [e for e in self.store.variants(chunk)
-                if e.variant.fingerprint == self.variant_fingerprint and e.num_tokens == num_tokens]
+        """Entries that are variants of ``chunk`` of ``num_tokens`` tokens (any fingerprint: the
+        caller filters), oldest first."""
+        return [e for e in self.store.variants(chunk) if e.num_tokens == num_tokens]
 
     def path_keys(self, pkey: str) -> list[str] | None:
         """Segment keys from the root to entry ``pkey`` (None if it or an ancestor is gone)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from ragcache_backend.cache.policy import NodeStats, PolicyFn
 
@@ -26,7 +26,7 @@ __all__ = ["Evictable", "Evictor"]
 class Evictable(Protocol):
     """What the evictor reads of an item (a tree node, a disk entry)."""
 
-    priority: dict[str, float]  # per tier the item is priced in
+    priority: dict[Any, float]  # per tier (name) the item is priced in
     last_access: int
     serial: int  # creation order: the last tie-breaker
 

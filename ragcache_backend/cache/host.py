@@ -57,14 +57,17 @@ class HostTier:
 
     @property
     def budget_bytes(self) -> int:
+        """The tier's budget, bytes."""
         return self._budget
 
     @property
     def used_bytes(self) -> int:
+        """Bytes of the host copies held."""
         return self._used
 
     @property
     def enabled(self) -> bool:
+        """False when the budget is 0 (no host tier)."""
         return self._budget > 0
 
     def nbytes(self, num_tokens: int) -> int:
@@ -73,6 +76,7 @@ class HostTier:
 
     # ---- the tier protocol -------------------------------------------------------------------
     def contains(self, node: Node) -> bool:
+        """True if the node has a host copy."""
         return node.in_host
 
     def put(self, node: Node, kv: KVHandle) -> bool:
@@ -98,6 +102,7 @@ class HostTier:
         return True
 
     def get(self, node: Node) -> KVHandle | None:
+        """The node's host copy itself (the tier keeps owning it), or None."""
         return node.host_kv
 
     def drop(self, node: Node) -> None:
@@ -123,12 +128,17 @@ class HostTier:
             return False
         while self._budget - self._used < nbytes:
             victim = self.evictor.pop()  # eq. 2: the clock advances
-            demote(victim)
+            try:
+                demote(victim)
+            except BaseException:
+                self.evictor.offer(victim)  # still here: it stays a candidate
+                raise
             if victim.in_host:
                 raise AssertionError(f"{victim!r} kept its host copy after its demotion")
         return True
 
     def eviction_order(self) -> list[str]:
+        """Path keys of the host leaves, first victim first."""
         return [n.path_key for n in self.evictor.order()]
 
     # ---- checks --------------------------------------------------------------------------------

@@ -21,6 +21,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from ragcache_backend.errors import CorruptFileError
+
 __all__ = ["FORMAT", "SUFFIX", "FileHeader", "KVFileFormat", "kv_digest", "read_metadata"]
 
 FORMAT = 1
@@ -48,7 +50,7 @@ class FileHeader:
         path_key, parent, key: the node's path key, its parent's, its segment key.
         num_tokens: tokens of KV (>= 1).
         frequency, avg_cost: the node's statistics (requests; seconds per token).
-        variant: the chunk-variant record as JSON, or "".
+        variant: the chunk-variant record as JSON, or None.
     """
 
     path_key: str
@@ -57,7 +59,7 @@ class FileHeader:
     num_tokens: int
     frequency: int
     avg_cost: float
-    variant: str = ""
+    variant: str | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -78,37 +80,42 @@ class KVFileFormat:
         """The file's bytes for ``k``, ``v`` (``[layers, tokens, kv_heads, head_dim]``) and ``header``."""
         meta = {"format": str(FORMAT), "fingerprint": self.fingerprint, "path_key": header.path_key,
                 "parent": header.parent, "key": header.key, "num_tokens": str(header.num_tokens),
-                "sha256": kv_digest(k, v, header.variant), "frequency": str(header.frequency),
+                "sha256": kv_digest(k, v, header.variant or ""), "frequency": str(header.frequency),
                 "avg_cost": repr(float(header.avg_cost))}
-        if header.variant:
+        if header.variant is not None:
             meta["variant"] = header.variant
         return st_save({"k": k.contiguous(), "v": v.contiguous()}, metadata=meta)
 
-    def decode(self, data: bytes, pkey: str) -> tuple[str, tuple[torch.Tensor, torch.Tensor] | None]:
-        """``("", (k, v))`` for a good file named ``pkey``, else ``(what is wrong, None)``."""
+    def decode(self, data: bytes, pkey: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k, v)`` of a good file named ``pkey``.
+
+        Raises:
+            CorruptFileError: the file is truncated, foreign (see :meth:`foreign`), or its tensors
+                have another shape or dtype or fail the checksum; the message says which.
+        """
         meta = header_metadata(data)
         if meta is None:
-            return "not a safetensors file (truncated header)", None
+            raise CorruptFileError("not a safetensors file (truncated header)")
         why = self.foreign(meta, pkey)
-        if why:
-            return why, None
+        if why is not None:
+            raise CorruptFileError(why)
         try:
             tensors = st_load(data)
         except Exception as exc:  # safetensors raises its own error type for a truncated body
-            return f"unreadable tensors ({type(exc).__name__})", None
+            raise CorruptFileError(f"unreadable tensors ({type(exc).__name__})") from None
         k, v = tensors.get("k"), tensors.get("v")
         n = int(meta["num_tokens"])
         shape = (self.layout[0], n, self.layout[1], self.layout[2])
         if k is None or v is None or tuple(k.shape) != shape or tuple(v.shape) != shape:
-            return "tensors of the wrong shape", None
+            raise CorruptFileError("tensors of the wrong shape")
         if k.dtype != self.dtype or v.dtype != self.dtype:
-            return f"tensors of dtype {k.dtype}, expected {self.dtype}", None
+            raise CorruptFileError(f"tensors of dtype {k.dtype}, expected {self.dtype}")
         if kv_digest(k, v, meta.get("variant", "")) != meta["sha256"]:
-            return "checksum mismatch", None
-        return "", (k, v)
+            raise CorruptFileError("checksum mismatch")
+        return k, v
 
-    def foreign(self, meta: dict[str, str], pkey: str | None) -> str:
-        """Why a file's metadata does not belong to this model's files ("" if it does)."""
+    def foreign(self, meta: dict[str, str], pkey: str | None) -> str | None:
+        """Why a file's metadata does not belong to this model's files (None if it does)."""
         if meta.get("format") != str(FORMAT):
             return f"format {meta.get('format')!r}, expected {FORMAT}"
         if meta.get("fingerprint") != self.fingerprint:
@@ -120,7 +127,7 @@ class KVFileFormat:
                 return f"metadata lacks {field!r}"
         if not meta["num_tokens"].isdigit() or int(meta["num_tokens"]) < 1:
             return "bad token count"
-        return ""
+        return None
 
 
 def read_metadata(path: Path) -> dict[str, str] | None:

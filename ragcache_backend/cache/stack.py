@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from ragcache_backend.cache.chunk_reuse import VariantInfo
 from ragcache_backend.cache.device import DeviceTier
+from ragcache_backend.cache.disk import DiskEntry
 from ragcache_backend.cache.disk_tier import DiskTier
 from ragcache_backend.cache.host import HostTier
 from ragcache_backend.cache.knowledge_tree import KnowledgeTree, Node, SegmentKey, TierName, path_key
@@ -92,9 +93,11 @@ class TierStack:
 
     # ---- locks and eviction candidates --------------------------------------------------------
     def lock(self, node: Node) -> None:
+        """One more running request uses ``node`` (never evicted while locked)."""
         self.locks.lock(node)
 
     def unlock(self, node: Node) -> None:
+        """One request fewer uses ``node``; at zero it may become an eviction candidate."""
         self.locks.unlock(node)
 
     def release(self, nodes: Sequence[Node]) -> None:
@@ -197,7 +200,13 @@ class TierStack:
             kv = self.device.get(n)
         finally:
             self.stats.copy_s += time.perf_counter() - t0
-        if not self.host.put(n, kv):
+        try:
+            placed = self.host.put(n, kv)
+        except BaseException:
+            self.device.mover.free_host(kv)
+            raise
+        if not placed:
+            self.device.mover.free_host(kv)
             raise AssertionError(f"host room was made for {n!r} but it does not fit")
         self.stats.swap_outs += 1
         return True
@@ -207,11 +216,11 @@ class TierStack:
         room can be made. On a failed copy the blocks are freed and the error propagates."""
         if not self.make_device_room(self.device.blocks_for(node.num_tokens)):
             return False
-        t0 = time.perf_counter()
+        c0 = self.device.copy_s
         try:
             placed = self.device.put(node, node.host_kv)
         finally:
-            self.stats.copy_s += time.perf_counter() - t0
+            self.stats.copy_s += self.device.copy_s - c0
         if not placed:
             raise AssertionError(f"device room was made for {node!r} but it does not fit")
         self.stats.swap_ins += 1
@@ -261,13 +270,8 @@ class TierStack:
                 if not self.make_host_room(self.host.nbytes(entry.num_tokens)):
                     break
                 node = self.tree.add_child(parent, key, entry.num_tokens)
-                kv = disk.get(node)
-                if kv is None:
-                    self.tree.remove(node)
+                if not self._fill_from_disk(node, entry):
                     break
-                node.frequency, node.total_cost, node.num_computed = entry.frequency, entry.avg_cost, 1
-                if not self.host.put(node, kv):
-                    raise AssertionError(f"host room was made for {node!r} but it does not fit")
                 self.lock(node)
                 loaded.append(node)
                 restore(node, entry.variant)
@@ -277,6 +281,28 @@ class TierStack:
                 self.unlock(n)
         self.stats.disk_hits += len(loaded)
         return loaded
+
+    def _fill_from_disk(self, node: Node, entry: DiskEntry) -> bool:
+        """Give a new, empty ``node`` its KV from the disk tier as a host copy (with the file's
+        statistics); False, the node removed from the tree, if the file is gone or damaged.
+        Raises what the mover or the host tier raise, the node removed and its copy freed."""
+        kv = None
+        try:
+            kv = self.disk.get(node)
+            if kv is None:
+                self.tree.remove(node)
+                return False
+            node.frequency, node.total_cost, node.num_computed = entry.frequency, entry.avg_cost, 1
+            if not self.host.put(node, kv):
+                raise AssertionError(f"host room was made for {node!r} but it does not fit")
+            return True
+        except BaseException:
+            if kv is not None and node.host_kv is None:
+                self.device.mover.free_host(kv)
+            if self.tree.contains(node):
+                self.tree.remove(node)
+            self.host.drop(node)
+            raise
 
     def after_insert(self, node: Node, depth: int) -> None:
         """A commit inserted ``node`` at ``depth`` (1 = a child of the root): queue it for the disk
@@ -308,11 +334,15 @@ class TierStack:
                 if not n.resident:
                     break
                 if n.in_host:
-                    kv = self.host.get(n)
+                    queued_ok = disk.put(n, self.host.get(n))
                 else:
-                    kv = self.device.get(n)
+                    kv = self.device.get(n)  # a temporary host copy: the writer keeps its tensors
                     copied += self.host.nbytes(n.num_tokens)
-                if not disk.put(n, kv):
+                    try:
+                        queued_ok = disk.put(n, kv)
+                    finally:
+                        self.device.mover.free_host(kv)
+                if not queued_ok:
                     break  # skipped (writer behind, or too large): its descendants would be orphans
                 queued += 1
         self.stats.disk_queued += queued

@@ -75,9 +75,11 @@ class Tier(Protocol):
     Keys are knowledge-tree nodes: a tier reads what it records from the node (its length, its
     :attr:`~ragcache_backend.cache.knowledge_tree.Node.path_key`, its statistics). Every tier
     keeps three promises, checked for each class by ``tests/cache/test_tier_contract.py``:
-    ``used_bytes <= budget_bytes`` at all times; victims leave in the policy's order (lowest
-    priority first, among nodes no resident child depends on); a node is never stored without
-    its parent's KV being reachable, and data that fails a check is never served.
+    ``used_bytes <= budget_bytes`` (a tier that writes asynchronously may exceed it until its
+    pending writes land: the disk tier never evicts a parent whose child is still queued);
+    victims leave in the policy's order (lowest priority first, among nodes no stored child
+    depends on); a node is never stored without its parent's KV being reachable, and data that
+    fails a check is never served.
     """
 
     name: TierName
@@ -97,22 +99,29 @@ class Tier(Protocol):
         ...
 
     def put(self, node: Node, kv: KVHandle) -> bool:
-        """Store a copy of ``node``'s KV given as a host copy ``kv``; False (nothing stored) when there
-        is no room now (the caller makes room first with :meth:`make_room`) or the tier declines.
+        """Store a copy of ``node``'s KV given as a host copy ``kv`` (the tier takes ownership of it
+        when it keeps host copies); False (nothing stored) when there is no room now (the caller
+        makes room first with :meth:`make_room`) or the tier declines (the disk tier: its writer is
+        behind, or the parent's file is neither written nor queued).
 
         Raises:
-            InvalidRequestError: ``kv`` does not fit the node (another shape or length), or the
-                node's parent is not reachable from this tier (it would be an orphan).
+            InvalidRequestError: ``kv`` does not fit the node (another length), or (memory tiers)
+                the node's parent is not reachable from this tier (it would be an orphan).
         """
         ...
 
     def get(self, node: Node) -> KVHandle | None:
-        """A host copy of ``node``'s KV, or None when the tier does not hold it or its copy fails a check
-        (then it is dropped and counted)."""
+        """A host copy of ``node``'s KV, or None when the tier does not hold it or its copy fails a
+        check (then it is dropped and counted). The host tier returns the copy it keeps; the other
+        tiers make a new one, which the caller frees with the mover unless it hands it on."""
         ...
 
     def drop(self, node: Node) -> None:
-        """Release this tier's copy of ``node`` (no-op when it holds none)."""
+        """Release this tier's copy of ``node`` (no-op when it holds none).
+
+        Raises:
+            InvalidRequestError: (the disk tier) copies of its children are stored below it.
+        """
         ...
 
     def make_room(self, nbytes: int, demote: Demote) -> bool:
@@ -139,14 +148,17 @@ class NodeLocks:
         self._on_unlock: Callable[[Node], None] = lambda _n: None
 
     def on_unlock(self, hook: Callable[[Node], None]) -> None:
-        """Call ``hook(node)`` whenever a node's last lock goes (it may become an eviction candidate)."""
+        """Call ``hook(node)`` whenever a node's last lock goes (it may become an eviction candidate);
+        replaces the previous hook (the one owner is the cache's tier stack)."""
         self._on_unlock = hook
 
     def lock(self, node: Node) -> None:
+        """One more running request uses ``node``."""
         node.lock_ref += 1
         self._locked.add(node)
 
     def unlock(self, node: Node) -> None:
+        """One request fewer uses ``node``; the hook runs when none is left."""
         node.lock_ref -= 1
         if node.lock_ref == 0:
             self._locked.discard(node)

@@ -61,12 +61,19 @@ class TieredCache:
         profile: prefill profile for eq. 3's cost; required by ``pgdsf``.
 
     Raises:
-        InvalidRequestError: a capacity below 1 block, a negative host budget, an unknown
-            policy, or ``pgdsf`` without a profile.
+        InvalidRequestError: a capacity below 1 block, a negative host budget, or ``pgdsf``
+            without a profile.
+        UnknownPolicyError: an unknown policy.
     """
 
     def __init__(self, num_device_blocks: int, block_size: int, host_budget_bytes: int, mover: KVMover, *,
                  policy: str = "pgdsf", profile: PrefillProfile | None = None) -> None:
+        if num_device_blocks < 1:
+            raise InvalidRequestError(f"num_device_blocks must be >= 1, got {num_device_blocks}")
+        if block_size < 1:
+            raise InvalidRequestError(f"block_size must be >= 1 token, got {block_size}")
+        if host_budget_bytes < 0:
+            raise InvalidRequestError(f"host_budget_bytes must be >= 0, got {host_budget_bytes}")
         fn = get_policy(policy)
         if policy == "pgdsf" and profile is None:
             raise InvalidRequestError("policy 'pgdsf' needs a PrefillProfile (eq. 3 cost estimate)")
@@ -86,6 +93,7 @@ class TieredCache:
     # ----------------------------------------------------------------- read-only views
     @property
     def tree(self) -> KnowledgeTree:
+        """The knowledge tree (read it; change it only through this class)."""
         return self._tree
 
     @property
@@ -95,6 +103,7 @@ class TieredCache:
 
     @property
     def num_device_blocks(self) -> int:
+        """The device arena's capacity, blocks."""
         return self._stack.device.num_blocks
 
     @property
@@ -114,10 +123,12 @@ class TieredCache:
 
     @property
     def host_budget_bytes(self) -> int:
+        """The host tier's budget, bytes (0: no host tier)."""
         return self._stack.host.budget_bytes
 
     @property
     def host_used_bytes(self) -> int:
+        """Bytes of host copies held."""
         return self._stack.host.used_bytes
 
     @property
@@ -127,6 +138,7 @@ class TieredCache:
 
     @property
     def disk_used_bytes(self) -> int:
+        """Bytes of the disk tier's files (0 without one)."""
         return self._stack.disk.used_bytes if self._stack.disk is not None else 0
 
     def clock(self, tier: TierName) -> float:
@@ -180,26 +192,26 @@ class TieredCache:
         prefix, sources = list(acq.nodes), []
         rest = sum(need[len(prefix):]) + tail_need
         try:
-            pieces, hits = self._variants.serve_pieces(lead, prefix, acq.cached_tokens, rule, fresh_above, sources)
+            served = self._variants.serve_pieces(lead, prefix, acq.cached_tokens, rule, fresh_above, sources)
             if sources and not self._stack.make_device_room(rest):
                 # the variants' ancestors are pinned while they are held: without them, room may exist
                 self.release(sources)
                 sources.clear()
-                pieces, hits = self._variants.serve_pieces(lead, prefix, acq.cached_tokens, None, fresh_above, sources)
+                served = self._variants.serve_pieces(lead, prefix, acq.cached_tokens, None, fresh_above, sources)
             if not self._stack.make_device_room(rest):
                 self.release(prefix)
                 return None
         except BaseException:
             self.release(prefix + sources)
             raise
-        for piece in pieces:
+        for piece in served.pieces:
             piece.blocks = self.allocate(blocks_for(piece.spec.num_tokens, self.block_size))
-        self.stats.device_hits += hits[0]
-        self.stats.host_hits += hits[1]
+        self.stats.device_hits += served.device_hits
+        self.stats.host_hits += served.host_hits
         self.stats.variant_hits += len(sources)
-        return Lease(prefix=prefix, pieces=pieces, tail_blocks=self.allocate(tail_need), sources=sources,
-                     device_hits=acq.device_hits + hits[0], host_hits=acq.host_hits + hits[1],
-                     disk_hits=acq.disk_hits + hits[2])
+        return Lease(prefix=prefix, pieces=served.pieces, tail_blocks=self.allocate(tail_need), sources=sources,
+                     device_hits=acq.device_hits + served.device_hits, host_hits=acq.host_hits + served.host_hits,
+                     disk_hits=acq.disk_hits + served.disk_hits)
 
     def commit(self, lease: Lease, rest_tokens: int, stats: Sequence[VariantStats | None] | None = None) -> None:
         """After a successful prefill: every piece becomes a tree node (its blocks change owner, no
@@ -266,19 +278,21 @@ class TieredCache:
         if lease.released:
             return
         lease.released = True
-        held = list(lease.prefix) + list(lease.sources)
-        lease.prefix, lease.sources = [], []
+        held = list(lease.prefix) + list(lease.sources) + [p.node for p in lease.pieces if p.node is not None]
+        owned = [p.blocks for p in lease.pieces if p.node is None and p.blocks] + [lease.tail_blocks]
+        lease.prefix, lease.sources, lease.tail_blocks = [], [], []
         for piece in lease.pieces:
-            if piece.node is not None:
-                held.append(piece.node)
-            elif piece.blocks:
-                self.free(piece.blocks)
             piece.node, piece.blocks = None, []
-        if held:
-            self.release(held)
-        tail, lease.tail_blocks = lease.tail_blocks, []
-        if tail:
-            self.free(tail)
+        try:
+            for blocks in owned[:-1]:
+                self.free(blocks)
+        finally:  # whatever happens, the locks go and the tail is freed
+            try:
+                if held:
+                    self.release(held)
+            finally:
+                if owned[-1]:
+                    self.free(owned[-1])
 
     # ----------------------------------------------------------------- chunk variants (Cache-Craft §3.3)
     def configure_variants(self, *, fingerprint: str, per_chunk: int = 4, total: int = 1024) -> None:
@@ -307,7 +321,7 @@ class TieredCache:
         """Use ``disk`` as the tier below host memory: exact nodes are written to it after they are
         inserted (:meth:`persist_pending`), and a prefix match that runs past what memory holds
         continues on disk (files read into the host tier, then swapped in as host hits are)."""
-        self._stack.disk = DiskTier(disk, self._mover, self._variants.fingerprint)
+        self._stack.disk = DiskTier(disk, self._mover, keep_variant=self._variants.serves)
 
     def close_disk(self, timeout: float | None = 30.0) -> None:
         """Finish the disk tier's queued writes (up to ``timeout`` seconds) and stop its writer."""

@@ -17,7 +17,7 @@ picks the variant with the lowest cache fix overhead (CFO, eq. 12) for the new c
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from ragcache_backend.cache.chunk_reuse import RecomputeRule, VariantInfo, choose_with_rule, context_keys
 from ragcache_backend.cache.disk import DiskEntry
@@ -26,7 +26,23 @@ from ragcache_backend.cache.lease import ChunkPiece, ChunkSpec, VariantUse
 from ragcache_backend.cache.stack import CacheStats, TierStack
 from ragcache_backend.errors import InvalidRequestError
 
-__all__ = ["VariantStore", "part_keys"]
+__all__ = ["ServedPieces", "VariantStore", "part_keys"]
+
+
+@dataclass(slots=True, frozen=True)
+class ServedPieces:
+    """A request's segments past its prefix, and where the variants serving them were found.
+
+    Attributes:
+        pieces: one per segment, in prompt order (``use`` set where a variant serves it).
+        device_hits, host_hits, disk_hits: variants found on device, swapped in from host, read
+            back from the disk tier.
+    """
+
+    pieces: list[ChunkPiece]
+    device_hits: int = 0
+    host_hits: int = 0
+    disk_hits: int = 0
 
 
 def part_keys(specs: Sequence[ChunkSpec]) -> tuple[tuple[str, ...], tuple[int, ...], list[int]]:
@@ -68,13 +84,15 @@ class VariantStore:
         if per_chunk < 1 or total < 1:
             raise InvalidRequestError(f"variant caps must be >= 1, got {per_chunk} per chunk, {total} in total")
         self.fingerprint, self.per_chunk, self.total = fingerprint, per_chunk, total
-        if self._stack.disk is not None:
-            self._stack.disk.variant_fingerprint = fingerprint
+
+    def serves(self, info: VariantInfo) -> bool:
+        """True if a variant record is of this store's model and dtype (only those are served or kept)."""
+        return info.fingerprint == self.fingerprint
 
     # ---- the index -------------------------------------------------------------------------------
     def of(self, chunk: SegmentKey) -> list[Node]:
         """Resident variants of ``chunk`` under this store's fingerprint, oldest first."""
-        return [n for n in self.any_of(chunk) if n.variant.fingerprint == self.fingerprint]
+        return [n for n in self.any_of(chunk) if self.serves(n.variant)]
 
     def any_of(self, chunk: SegmentKey) -> list[Node]:
         """Resident variants of ``chunk`` whatever their fingerprint (prunes stale entries)."""
@@ -104,7 +122,7 @@ class VariantStore:
     def restore(self, node: Node, info: VariantInfo | None) -> None:
         """Make ``node`` (read back from disk) a variant again, if ``info`` is one of this model's
         and fits it; the caps apply as to a new variant (not counted as added)."""
-        if (info is None or info.fingerprint != self.fingerprint or not info.fits(node.key, node.num_tokens)
+        if (info is None or not self.serves(info) or not info.fits(node.key, node.num_tokens)
                 or node.variant is not None or node.approximate):
             return
         self._index(node, replace(info))
@@ -142,16 +160,15 @@ class VariantStore:
 
     # ---- choosing variants for a request (§3.4.1) -------------------------------------------------
     def serve_pieces(self, specs: Sequence[ChunkSpec], prefix: list[Node], start: int, rule: RecomputeRule | None,
-                     fresh_above: float, sources: list[Node]) -> tuple[list[ChunkPiece], tuple[int, int, int]]:
+                     fresh_above: float, sources: list[Node]) -> ServedPieces:
         """The pieces after ``prefix``, each served from its lowest-CFO variant (locked, on device,
-        appended to ``sources``) or computed fresh; ``rule`` None: every piece fresh. Also returns
-        how many variants were found on device, swapped in from host, and read from the disk tier."""
+        appended to ``sources``) or computed fresh; ``rule`` None: every piece fresh."""
         if rule is None and not any(s.chunk for s in specs):  # exact mode: no context to record
             pieces = []
             for spec in specs[len(prefix):]:
                 pieces.append(ChunkPiece(spec, start, (), []))
                 start += spec.num_tokens
-            return pieces, (0, 0, 0)
+            return ServedPieces(pieces)
         keys, lengths, first_part = part_keys(specs)
         pieces, on_device, swapped, read, from_disk = [], 0, 0, 0, []
         for i in range(len(prefix), len(specs)):
@@ -174,7 +191,7 @@ class VariantStore:
                     use = None
             pieces.append(ChunkPiece(spec, start, context, [], use))
             start += spec.num_tokens
-        return pieces, (on_device, swapped, read)
+        return ServedPieces(pieces, on_device, swapped, read)
 
     def _best(self, spec: ChunkSpec, context: tuple[str, ...], lengths: Sequence[int], start: int,
               rule: RecomputeRule, held: list[Node], fresh_above: float = 1.0,
@@ -211,7 +228,7 @@ class VariantStore:
         disk = self._stack.disk
         if disk is None or not self._stack.host.enabled:
             return []
-        found = disk.variants(spec.key, spec.num_tokens)
+        found = [e for e in disk.variants(spec.key, spec.num_tokens) if self.serves(e.variant)]
         if not found:
             return []
         resident = {n.path_key for n in self.any_of(spec.key)}

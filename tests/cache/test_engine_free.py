@@ -87,3 +87,51 @@ def test_eviction_under_pressure_keeps_budgets_and_frees_everything(tmp_path):
     assert cache.stats.host_evictions > 0 and cache.stats.device_evictions > 0
     cache.clear()
     assert len(cache.tree) == 0 and cache.device_used_blocks == 0 and cache.host_used_bytes == 0 and arena.live == 0
+
+
+def test_a_missing_parent_file_takes_the_files_below_it_along(tmp_path):
+    """Files below a parent whose file is gone are unreachable: they are deleted with it, and the
+    store's books stay right (a later eviction or delete of the path works)."""
+    cache, arena = make(tmp_path)
+    core.serve(cache, arena, A)
+    cache.persist_pending()
+    assert cache.disk.flush(30)
+    store = cache.disk
+    first = cache.tree.root.children[core.block_specs(A)[0].key]
+    n = len(store)
+    (store.directory / f"{first.path_key}.kv.safetensors").unlink()
+    assert store.load(store.lookup(first.path_key)) is None
+    assert len(store) == 0 and store.used_bytes == 0 and not list(store.directory.glob("*.kv.safetensors"))
+    assert n == 6
+    cache.close_disk()
+
+
+def test_a_file_deleted_while_its_write_is_queued_never_lands(tmp_path, monkeypatch):
+    import threading
+
+    import ragcache_backend.cache.disk as disk_module
+    from ragcache_backend.cache.knowledge_tree import KnowledgeTree, SegmentKey
+    from ragcache_backend.cache.policy import NodeStats
+
+    gate = threading.Event()
+    real_fsync = disk_module.os.fsync
+
+    def slow_fsync(fd):  # the writer waits here until the delete is in
+        gate.wait(30)
+        real_fsync(fd)
+
+    monkeypatch.setattr(disk_module.os, "fsync", slow_fsync)
+    store = disk_store(tmp_path, 1 << 20)
+    arena = SimArena(num_blocks=2, block_size=BLOCK)
+    arena.write([0], list(range(BLOCK)))
+    kv = arena.swap_out([0], BLOCK)
+    tree = KnowledgeTree()
+    node = tree.add_child(tree.root, SegmentKey("a"), BLOCK)
+    assert store.put(node.path_key, "", "a", kv.k, kv.v, NodeStats(1, 0.0, BLOCK, 0))
+    assert store.contains(node.path_key)
+    store.delete(node.path_key)
+    assert not store.contains(node.path_key)
+    gate.set()
+    assert store.flush(30) and len(store) == 0 and store.stats.writes == 0 and store.stats.skipped == 1
+    assert not list(tmp_path.rglob("*.kv.safetensors"))
+    store.close()

@@ -412,3 +412,32 @@ def test_no_room_now_is_none_and_never_fits_raises():
     cache.finish(later)  # released before commit: its pending blocks are freed, nothing inserted
     assert [n.key for n in cache.tree] == [] and cache.device_used_blocks == 0
     cache.check_invariants()
+
+
+class FailingSwapOut(SimulatedMover):
+    """Copies to host fail while ``broken`` is set."""
+
+    broken = False
+
+    def swap_out(self, blocks, num_tokens):
+        if self.broken:
+            raise OSError("copy to host failed")
+        return SimulatedMover.swap_out(self, blocks, num_tokens)
+
+
+def test_a_failed_swap_out_keeps_the_victim_a_candidate() -> None:
+    """A device victim whose copy to host fails stays on device and stays evictable."""
+    mover = FailingSwapOut(bytes_per_token=100)
+    cache, _ = make(num_blocks=4, host_bytes=10_000, mover=mover)
+    request(cache, ["A"], dict(A=20))
+    mover.broken = True
+    with pytest.raises(OSError, match="copy to host failed"):
+        cache.allocate(4)  # A must go to host first
+    a = cache.tree.root.children[K("A")]
+    assert a.in_device and not a.in_host and cache.request_blocks == 0
+    cache.check_invariants()  # A is still in the device heap
+    mover.broken = False
+    blocks = cache.allocate(4)
+    assert a.tiers == (HOST,)
+    cache.free(blocks)
+    cache.check_invariants()
