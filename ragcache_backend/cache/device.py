@@ -29,6 +29,12 @@ __all__ = ["DeviceTier"]
 DEVICE = TierName.DEVICE
 
 
+def _require_on_device(parent: Node | None) -> None:
+    """A node's KV is only valid after its parent's: a device copy needs the parent on device."""
+    if parent is not None and not parent.is_root and not parent.in_device:
+        raise InvalidRequestError(f"parent {parent!r} is not on device; acquire it first")
+
+
 def _is_leaf(n: Node) -> bool:
     """Alg. 1 line 17 for the device: an unlocked node on device with no child on device."""
     return not n.lock_ref and not n.is_root and n.in_device and not any(c.in_device for c in n.children.values())
@@ -138,15 +144,26 @@ class DeviceTier:
                 is not on device.
         """
         ids = list(blocks)
-        self._check_parent(node)
-        need = self.blocks_for(node.num_tokens)
-        if len(ids) != need:
-            raise InvalidRequestError(f"{node.num_tokens} tokens need {need} blocks, got {len(ids)}")
-        if not self.owns(ids):
-            raise InvalidRequestError(f"blocks {ids} are not distinct blocks owned by a request")
+        if node.device_blocks is not None:
+            raise InvalidRequestError(f"{node!r} is already on device")
+        self.check_adoption(node.parent, node.num_tokens, ids)
         self._request_blocks.difference_update(ids)
         node.device_blocks = ids
         self.evictor.reprice(node)
+
+    def check_adoption(self, parent: Node | None, num_tokens: int, blocks: Sequence[int]) -> None:
+        """Raise unless ``blocks`` can become the device copy of a ``num_tokens``-token child of ``parent``.
+
+        Raises:
+            InvalidRequestError: the parent is not on device (nor the root), the block count does
+                not fit ``num_tokens``, or the blocks are not distinct blocks owned by a request.
+        """
+        _require_on_device(parent)
+        need = self.blocks_for(num_tokens)
+        if len(blocks) != need:
+            raise InvalidRequestError(f"{num_tokens} tokens need {need} blocks, got {len(blocks)}")
+        if not self.owns(blocks):
+            raise InvalidRequestError(f"blocks {list(blocks)} are not distinct blocks owned by a request")
 
     # ---- the tier protocol -------------------------------------------------------------------
     def contains(self, node: Node) -> bool:
@@ -161,7 +178,9 @@ class DeviceTier:
             InvalidRequestError: ``kv`` holds another number of tokens than the node, the node is
                 on device already, or its parent is not (it would be an orphan).
         """
-        self._check_parent(node)
+        if node.device_blocks is not None:
+            raise InvalidRequestError(f"{node!r} is already on device")
+        _require_on_device(node.parent)
         if self.mover.kv_tokens(kv) != node.num_tokens:
             raise InvalidRequestError(f"a copy of {self.mover.kv_tokens(kv)} tokens cannot be {node!r}'s KV")
         need = self.blocks_for(node.num_tokens)
@@ -209,12 +228,7 @@ class DeviceTier:
         if short > self.evictable_blocks():
             return False  # checked first so that a failure evicts nothing
         while self._alloc.num_free < num_blocks:  # Alg. 1 line 18
-            victim = self.evictor.pop()  # lines 19-21 (the clock advances)
-            try:
-                demote(victim)
-            except BaseException:
-                self.evictor.offer(victim)  # still here: it stays a candidate
-                raise
+            victim = self.evictor.evict(demote)  # lines 19-21 (the clock advances)
             if victim.in_device:
                 raise AssertionError(f"{victim!r} was not taken off the device by its demotion")
         return True
@@ -256,10 +270,3 @@ class DeviceTier:
         if node_blocks | self._request_blocks != self._alloc.used_blocks():
             out.append("allocator's used blocks differ from node + request blocks")
         return out
-
-    def _check_parent(self, node: Node) -> None:
-        parent = node.parent
-        if parent is not None and not parent.is_root and not parent.in_device:
-            raise InvalidRequestError(f"parent {parent!r} is not on device; acquire it first")
-        if node.device_blocks is not None:
-            raise InvalidRequestError(f"{node!r} is already on device")

@@ -97,6 +97,21 @@ class Evictor(Generic[T]):
         """Whether the tier may evict ``item`` now (its predicate; the item need not be in the heap)."""
         return self._is_candidate(item)
 
+    def evict(self, demote: Callable[[T], None]) -> T:
+        """:meth:`pop` the next victim and hand it to ``demote`` (which takes it out of the tier);
+        if ``demote`` raises, the victim is still there and is offered again before the error goes on.
+
+        Raises:
+            LookupError: no candidate. Whatever ``demote`` raises.
+        """
+        victim = self.pop()
+        try:
+            demote(victim)
+        except BaseException:
+            self.offer(victim)
+            raise
+        return victim
+
     def candidates(self) -> set[T]:
         """Items with a live heap entry (for invariant checks)."""
         return {e[3] for e in self._heap if self._is_live(e)}

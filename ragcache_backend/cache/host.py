@@ -127,12 +127,7 @@ class HostTier:
         if short > self._used - locked:
             return False
         while self._budget - self._used < nbytes:
-            victim = self.evictor.pop()  # eq. 2: the clock advances
-            try:
-                demote(victim)
-            except BaseException:
-                self.evictor.offer(victim)  # still here: it stays a candidate
-                raise
+            victim = self.evictor.evict(demote)  # eq. 2: the clock advances
             if victim.in_host:
                 raise AssertionError(f"{victim!r} kept its host copy after its demotion")
         return True

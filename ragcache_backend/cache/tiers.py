@@ -434,16 +434,10 @@ class TieredCache:
         parent = self._tree.root if parent is None else parent
         if not self._tree.contains(parent):
             raise InvalidRequestError(f"parent {parent!r} is not in the knowledge tree")
-        if not parent.is_root and not parent.in_device:
-            raise InvalidRequestError(f"parent {parent!r} is not on device; acquire it first")
         if num_tokens < 1:
             raise InvalidRequestError(f"a segment needs >= 1 token, got {num_tokens}")
         ids = list(blocks)
-        need = blocks_for(num_tokens, self.block_size)
-        if len(ids) != need:
-            raise InvalidRequestError(f"{num_tokens} tokens need {need} blocks, got {len(ids)}")
-        if not self._stack.device.owns(ids):
-            raise InvalidRequestError(f"blocks {ids} are not distinct blocks owned by a request")
+        self._stack.device.check_adoption(parent, num_tokens, ids)
         node = parent.children.get(key)
         if node is not None and node.in_device:
             self.free(ids)

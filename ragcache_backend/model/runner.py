@@ -25,6 +25,7 @@ from the values it replaced (the quality guard). A chunk's KV moves to a new pos
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -37,7 +38,7 @@ from ragcache_backend.model.arena import HostKV, KVArena
 from ragcache_backend.model.chunk_rows import ChunkRows
 from ragcache_backend.model.forward import MAX_STAT_SEGMENTS, ForwardInput, SegmentAttention, StepOutput, StepRows
 from ragcache_backend.model.kernels import attention_plan
-from ragcache_backend.model.kernels.linear import step_rows
+from ragcache_backend.model.kernels.linear import ROWS_BY_CLASS, step_rows
 from ragcache_backend.model.llama import PagedLlama
 from ragcache_backend.model.loader import LoadedModel
 
@@ -227,7 +228,8 @@ class ModelRunner:
         st.plan_native()
         ids = torch.tensor([t for item in batch for t in item.new_tokens], dtype=torch.int64, device=self.device)
         h = self.layers.embed(ids)  # [N, hidden]
-        with step_rows(st.classify_rows()):  # on AMX CPUs the GEMMs treat prompt and decode rows apart
+        # on AMX CPUs the GEMMs treat prompt and decode rows apart; elsewhere rows never depend on M
+        with step_rows(st.classify_rows()) if ROWS_BY_CLASS else contextlib.nullcontext():
             normed = self.layers.run(h, st, self.arena)
         offsets = st.offsets
         rows = torch.arange(offsets[-1]) if all_logits else torch.tensor(offsets[1:]) - 1

@@ -101,6 +101,8 @@ def _cpu_has_amx() -> bool:
 
 
 _AMX = _cpu_has_amx()
+ROWS_BY_CLASS = _AMX
+"""Whether a step's GEMM rows must be told apart by class (:func:`step_rows`): only on AMX CPUs."""
 
 
 @dataclass(slots=True)
