@@ -35,7 +35,7 @@ from ragcache_backend.cache.disk import DiskEntry
 from ragcache_backend.cache.disk_tier import DiskTier
 from ragcache_backend.cache.host import HostTier
 from ragcache_backend.cache.knowledge_tree import KnowledgeTree, Node, SegmentKey, TierName, path_key
-from ragcache_backend.cache.tier import NodeLocks, Tier
+from ragcache_backend.cache.tier import NodeLocks
 from ragcache_backend.errors import InvalidRequestError
 
 __all__ = ["CacheStats", "TierStack"]
@@ -85,11 +85,6 @@ class TierStack:
         self.replica_depth = 1
         self._to_persist: list[Node] = []  # exact nodes inserted since the last persist_pending
         locks.on_unlock(self.refresh)
-
-    @property
-    def tiers(self) -> tuple[Tier, ...]:
-        """Every tier, fastest first."""
-        return (self.device, self.host) + ((self.disk,) if self.disk is not None else ())
 
     # ---- locks and eviction candidates --------------------------------------------------------
     def lock(self, node: Node) -> None:
@@ -185,10 +180,7 @@ class TierStack:
                 keep.add(n)
         for n in order:  # parents first; descendants of a dropped node have parent None
             if n not in keep and n.parent is not None:
-                parent = n.parent
-                for m in self.tree.remove(n):
-                    self.free_kv(m)
-                self.refresh(parent)
+                self.remove(n)
 
     # ---- copies between memory tiers ---------------------------------------------------------
     def swap_out(self, n: Node) -> bool:
