@@ -38,6 +38,8 @@ class EngineConfig(BaseModel):
     policy: Literal["pgdsf", "gdsf", "lru", "lfu"] = Field("pgdsf", description="replacement policy (RAGCache §5.1)")
     enable_cache: bool = Field(True, description="False = recompute every prompt (the no-cache baseline)")
     whole_prompt_reuse: bool = Field(True, description="cache the question and template tail too (all but the last token), so an exact repeat reuses the whole prompt")
+    block_reuse: bool = Field(True, description="every shared prefix reused: text that no document marks (template, instructions, earlier chat turns, the question) is cached in block nodes of block_reuse_blocks * block_size tokens, as vLLM's and SGLang's prefix caches, and the full blocks a request computed past its prompt's lead (its answer, in float32) join the tree when it finishes; False: segment-level nodes only (RAGCache's documents and an exact repeat)")
+    block_reuse_blocks: int = Field(1, ge=1, le=64, description="KV blocks per block node (block_reuse): any prompt sharing its first N tokens with a cached one reuses at least floor(N / (this * block_size)) block nodes")
     max_batch_size: int = Field(8, ge=1, description="sequences (prefill + decode) in one forward step")
     max_batch_tokens: int = Field(4096, ge=1, description="new tokens computed in one forward step")
     reorder: bool = Field(True, description="cache-aware reordering of waiting requests (RAGCache §5.2)")

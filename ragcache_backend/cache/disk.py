@@ -57,7 +57,7 @@ import torch
 from ragcache_backend.cache.chunk_reuse import VariantInfo, variant_from_json, variant_to_json
 from ragcache_backend.cache.evictor import Evictor
 from ragcache_backend.cache.knowledge_tree import TierName, path_key
-from ragcache_backend.cache.kv_file import FORMAT, SUFFIX, FileHeader, KVFileFormat, read_metadata
+from ragcache_backend.cache.kv_file import FORMAT, SUFFIX, FileHeader, KVFileFormat, parse_tokens, read_metadata
 from ragcache_backend.cache.policy import NodeStats, get_policy
 from ragcache_backend.errors import CorruptFileError, InvalidRequestError
 
@@ -86,6 +86,7 @@ class DiskEntry:
         children: entries whose parent this is (an entry with children is never evicted).
         variant: the node's chunk-variant record, when it is one (None otherwise).
         serial: index order (the last tie-breaker of eviction).
+        tokens: the segment's token ids the file records (compared before it serves a request).
     """
 
     path_key: str
@@ -100,6 +101,7 @@ class DiskEntry:
     children: int = 0
     variant: VariantInfo | None = None
     serial: int = 0
+    tokens: tuple[int, ...] = ()
 
     def stats(self) -> NodeStats:
         """What the policy sees of the entry."""
@@ -293,7 +295,7 @@ class DiskStore:
 
     # ---- writes --------------------------------------------------------------------------------
     def put(self, pkey: str, parent: str, key: str, k: torch.Tensor, v: torch.Tensor, stats: NodeStats,
-            variant: VariantInfo | None = None) -> bool:
+            variant: VariantInfo | None = None, tokens: tuple[int, ...] = ()) -> bool:
         """Queue a node's KV for writing; returns False (nothing queued) when it is already on disk
         or queued, larger than the budget, its parent is neither on disk nor queued (the file would
         be an orphan), or the writer is behind by ``max_pending_bytes``.
@@ -305,6 +307,7 @@ class DiskStore:
             stats: the node's statistics (frequency, seconds per token) for the policy.
             variant: the node's chunk-variant record, if it is one (its chunk must be ``key`` and
                 its length the token count).
+            tokens: the segment's token ids (recorded in the file; empty: none).
 
         Raises:
             InvalidRequestError: tensors of the wrong shape or dtype, or a variant of another
@@ -315,6 +318,8 @@ class DiskStore:
         if tuple(k.shape) != shape or tuple(v.shape) != shape or k.dtype != self.dtype or v.dtype != self.dtype:
             raise InvalidRequestError(f"KV of shape {tuple(k.shape)} {k.dtype} does not fit the disk tier's "
                                       f"{shape} {self.dtype}")
+        if tokens and len(tokens) != n:
+            raise InvalidRequestError(f"{len(tokens)} token ids for {n} tokens of KV")
         if variant is not None and not variant.fits(key, n):
             raise InvalidRequestError(f"a variant of {variant.stats.chunk} ({variant.stats.length} tokens) cannot be "
                                       f"stored as segment {key} of {n} tokens")
@@ -329,7 +334,8 @@ class DiskStore:
             self._pending[pkey] = nbytes
             self._pending_children[parent] += 1
         record = None if variant is None else replace(variant)  # the caller's copy goes on changing (f_r)
-        entry = DiskEntry(pkey, parent, key, n, nbytes, max(1, stats.frequency), stats.avg_cost, variant=record)
+        entry = DiskEntry(pkey, parent, key, n, nbytes, max(1, stats.frequency), stats.avg_cost, variant=record,
+                          tokens=tuple(tokens))
         self._queue.put(_Job(entry, k.detach().cpu(), v.detach().cpu()))
         return True
 
@@ -369,7 +375,7 @@ class DiskStore:
         t0 = time.perf_counter()
         e = job.entry
         record = variant_to_json(e.variant) if e.variant is not None else None
-        header = FileHeader(e.path_key, e.parent, e.key, e.num_tokens, e.frequency, e.avg_cost, record)
+        header = FileHeader(e.path_key, e.parent, e.key, e.num_tokens, e.frequency, e.avg_cost, record, e.tokens)
         final = self._file(e.path_key)
         tmp = final.with_name(f".{e.path_key}.{os.getpid()}.tmp")
         try:
@@ -540,7 +546,8 @@ class DiskStore:
                     self._drop_corrupt(path, "its variant record is for another chunk")
                     continue
             found[pkey] = DiskEntry(pkey, meta["parent"], meta["key"], int(meta["num_tokens"]), nbytes,
-                                    max(1, frequency), avg_cost, variant=variant)
+                                    max(1, frequency), avg_cost, variant=variant,
+                                    tokens=parse_tokens(meta.get("tokens", ""), int(meta["num_tokens"])))
         reachable: dict[str, DiskEntry] = {}
         visiting: set[str] = set()
 

@@ -70,7 +70,7 @@ class DiskTier:
         parent = node.parent.path_key if node.parent is not None else ""
         k, v = self._mover.host_tensors(kv)
         info = node.variant if node.variant is not None and self._keep_variant(node.variant) else None
-        return self.store.put(node.path_key, parent, node.key, k, v, node.stats(), variant=info)
+        return self.store.put(node.path_key, parent, node.key, k, v, node.stats(), variant=info, tokens=node.tokens)
 
     def get(self, node: Node) -> KVHandle | None:
         """The node's KV read back and verified as a new host copy (the caller owns it), or None

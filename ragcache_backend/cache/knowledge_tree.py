@@ -89,6 +89,8 @@ class Node:
         approximate: the KV was computed over reused chunk caches (or is a reused chunk): its key
             is :func:`approximate_key` of the segment's, and so are its descendants'.
         path_key: :func:`path_key` of the node's path ("" for the root).
+        tokens: the segment's token ids, when the inserter gave them: a match compares them with
+            the request's (a segment key is a hash; it is never trusted alone). Empty: not recorded.
     """
 
     key: SegmentKey | None
@@ -107,6 +109,12 @@ class Node:
     variant: VariantInfo | None = None
     approximate: bool = False
     path_key: str = ""
+    tokens: tuple[int, ...] = ()
+
+    def serves(self, tokens: Sequence[int]) -> bool:
+        """True unless both this node's and ``tokens`` are known and they differ (a hash collision
+        or a foreign file: never served)."""
+        return not self.tokens or not tokens or self.tokens == tuple(tokens)
 
     @property
     def is_root(self) -> bool:
@@ -170,26 +178,30 @@ class KnowledgeTree:
             yield node
             stack.extend(reversed(node.children.values()))
 
-    def match_prefix(self, keys: Sequence[SegmentKey], *, approximate: bool = False) -> list[Node]:
+    def match_prefix(self, keys: Sequence[SegmentKey], *, approximate: bool = False,
+                     tokens: Sequence[Sequence[int]] = ()) -> list[Node]:
         """Longest resident path matching ``keys`` from the root; O(len(result) + 1) lookups.
 
         ``approximate``: where a segment has no exact child, follow its approximate one (and from
         there on only approximate ones); otherwise approximate nodes are never matched.
+        ``tokens``: per key, the segment's token ids (empty: not compared); the match stops at a
+        node whose recorded tokens differ (:meth:`Node.serves`).
         """
         out: list[Node] = []
         node = self.root
-        for key in keys:
+        for i, key in enumerate(keys):
             child = None if node.approximate else node.children.get(key)
             if (child is None or not child.resident) and approximate:
                 child = node.children.get(approximate_key(key))
-            if child is None or not child.resident:
+            if child is None or not child.resident or (i < len(tokens) and not child.serves(tokens[i])):
                 break
             out.append(child)
             node = child
         return out
 
-    def add_child(self, parent: Node, key: SegmentKey, num_tokens: int) -> Node:
-        """Create a non-resident child of ``parent``; the caller then records where its KV lives."""
+    def add_child(self, parent: Node, key: SegmentKey, num_tokens: int, tokens: Sequence[int] = ()) -> Node:
+        """Create a non-resident child of ``parent``; the caller then records where its KV lives.
+        ``tokens``: the segment's token ids (recorded when given; their count must be ``num_tokens``)."""
         if not self.contains(parent):
             raise InvalidRequestError("parent node is not in this knowledge tree")
         if key is None:
@@ -198,8 +210,10 @@ class KnowledgeTree:
             raise InvalidRequestError(f"segment {key!r} is already a child of this parent")
         if num_tokens < 0:
             raise InvalidRequestError(f"num_tokens must be >= 0, got {num_tokens}")
+        if tokens and len(tokens) != num_tokens:
+            raise InvalidRequestError(f"{len(tokens)} token ids for a segment of {num_tokens} tokens")
         node = Node(key=key, num_tokens=num_tokens, parent=parent, serial=self._next_serial,
-                    path_key=path_key(parent.path_key, key))
+                    path_key=path_key(parent.path_key, key), tokens=tuple(tokens))
         self._next_serial += 1
         parent.children[key] = node
         self._num_nodes += 1

@@ -2,7 +2,8 @@
 
 A file holds tensors ``k`` and ``v``, ``[layers, tokens, kv_heads, head_dim]`` in the model's dtype,
 and string metadata: format version, model fingerprint, path key, parent path key, segment key,
-token count, the node's statistics (frequency, mean cost per token) and the SHA-256 of the
+token count, the segment's token ids (format 2: a key is a hash; a reader compares the tokens before
+the KV serves a request), the node's statistics (frequency, mean cost per token) and the SHA-256 of the
 tensors' bytes, then of the chunk-variant record when there is one (a file without a variant has
 the same digest as before variants were stored). Files are never unpickled (safetensors only); a
 file whose header is truncated, whose metadata is foreign (another format, model, dtype, name) or
@@ -23,19 +24,23 @@ from safetensors.torch import save as st_save
 
 from ragcache_backend.errors import CorruptFileError
 
-__all__ = ["FORMAT", "SUFFIX", "FileHeader", "KVFileFormat", "kv_digest", "read_metadata"]
+__all__ = ["FORMAT", "SUFFIX", "FileHeader", "KVFileFormat", "kv_digest", "parse_tokens", "read_metadata", "tokens_text"]
 
-FORMAT = 1
+FORMAT = 2
 """File format version: part of the folder name and of each file's metadata."""
 SUFFIX = ".kv.safetensors"
 _HEADER_CAP = 1 << 20  # a safetensors header of two tensors is < 1 KiB; more is a foreign file
 
 
-def kv_digest(k: torch.Tensor, v: torch.Tensor, variant: str = "") -> str:
-    """SHA-256 of the tensors' bytes, then of the variant record (if any)."""
+def kv_digest(k: torch.Tensor, v: torch.Tensor, variant: str = "", tokens: str = "") -> str:
+    """SHA-256 of the tensors' bytes, then of the token ids' text (if any), then of the variant
+    record (if any)."""
     digest = hashlib.sha256()
     for t in (k, v):
         digest.update(memoryview(t.contiguous().view(torch.uint8).numpy()))
+    if tokens:
+        digest.update(b"\x00tokens\x00")
+        digest.update(tokens.encode())
     if variant:
         digest.update(b"\x00variant\x00")
         digest.update(variant.encode())
@@ -51,6 +56,8 @@ class FileHeader:
         num_tokens: tokens of KV (>= 1).
         frequency, avg_cost: the node's statistics (requests; seconds per token).
         variant: the chunk-variant record as JSON, or None.
+        tokens: the segment's token ids (empty: not recorded; such a file serves no request that
+            gives its tokens).
     """
 
     path_key: str
@@ -60,6 +67,26 @@ class FileHeader:
     frequency: int
     avg_cost: float
     variant: str | None = None
+    tokens: tuple[int, ...] = ()
+
+
+def tokens_text(tokens: tuple[int, ...]) -> str:
+    """Token ids as the metadata string (comma-separated decimals)."""
+    return ",".join(map(str, tokens))
+
+
+def parse_tokens(text: str, num_tokens: int) -> tuple[int, ...]:
+    """Token ids from a file's metadata string ("" = none recorded).
+
+    Raises:
+        CorruptFileError: not comma-separated non-negative integers, or not ``num_tokens`` of them.
+    """
+    if not text:
+        return ()
+    parts = text.split(",")
+    if len(parts) != num_tokens or not all(p.isdigit() for p in parts):
+        raise CorruptFileError("bad token ids")
+    return tuple(int(p) for p in parts)
 
 
 @dataclass(slots=True, frozen=True)
@@ -80,8 +107,12 @@ class KVFileFormat:
         """The file's bytes for ``k``, ``v`` (``[layers, tokens, kv_heads, head_dim]``) and ``header``."""
         meta = {"format": str(FORMAT), "fingerprint": self.fingerprint, "path_key": header.path_key,
                 "parent": header.parent, "key": header.key, "num_tokens": str(header.num_tokens),
-                "sha256": kv_digest(k, v, header.variant or ""), "frequency": str(header.frequency),
-                "avg_cost": repr(float(header.avg_cost))}
+                "sha256": kv_digest(k, v, header.variant or "", tokens_text(header.tokens)),
+                "frequency": str(header.frequency), "avg_cost": repr(float(header.avg_cost))}
+        if header.tokens:
+            if len(header.tokens) != header.num_tokens:
+                raise CorruptFileError(f"{len(header.tokens)} token ids for {header.num_tokens} tokens of KV")
+            meta["tokens"] = tokens_text(header.tokens)
         if header.variant is not None:
             meta["variant"] = header.variant
         return st_save({"k": k.contiguous(), "v": v.contiguous()}, metadata=meta)
@@ -110,7 +141,7 @@ class KVFileFormat:
             raise CorruptFileError("tensors of the wrong shape")
         if k.dtype != self.dtype or v.dtype != self.dtype:
             raise CorruptFileError(f"tensors of dtype {k.dtype}, expected {self.dtype}")
-        if kv_digest(k, v, meta.get("variant", "")) != meta["sha256"]:
+        if kv_digest(k, v, meta.get("variant", ""), meta.get("tokens", "")) != meta["sha256"]:
             raise CorruptFileError("checksum mismatch")
         return k, v
 
@@ -127,6 +158,10 @@ class KVFileFormat:
                 return f"metadata lacks {field!r}"
         if not meta["num_tokens"].isdigit() or int(meta["num_tokens"]) < 1:
             return "bad token count"
+        try:
+            parse_tokens(meta.get("tokens", ""), int(meta["num_tokens"]))
+        except CorruptFileError as exc:
+            return str(exc)
         return None
 
 

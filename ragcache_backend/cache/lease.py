@@ -51,12 +51,16 @@ class SegmentSpec:
             served only as an exact prefix.
         parts: how its tokens split into :class:`ContextPart` (lengths sum to ``num_tokens``); a
             document is one part with its own key. Empty: one part, the segment's key.
+        token_ids: the segment's tokens (``num_tokens`` of them), recorded on the node it becomes and
+            compared with a cached node's before that node serves it (the key is a hash, never
+            trusted alone). Empty: not compared (callers that know only keys).
     """
 
     key: SegmentKey
     num_tokens: int
     chunk: bool = False
     parts: tuple[ContextPart, ...] = ()
+    token_ids: tuple[int, ...] = ()
 
     def context_parts(self) -> tuple[ContextPart, ...]:
         return self.parts or (ContextPart(self.key, self.num_tokens),)

@@ -241,11 +241,13 @@ class TierStack:
 
     # ---- the disk tier and replicas -----------------------------------------------------------
     def read_back(self, nodes: Sequence[Node], keys: Sequence[SegmentKey],
-                  restore: Callable[[Node, VariantInfo | None], None]) -> list[Node]:
+                  restore: Callable[[Node, VariantInfo | None], None],
+                  tokens: Sequence[Sequence[int]] = ()) -> list[Node]:
         """Continue a prefix match on the disk tier: after the resident path ``nodes``, each further
         key whose file exists is read (checksum verified) into the host tier as a new node;
         ``restore`` gives it back its chunk-variant record. Returns the new nodes (unlocked).
-        Stops at the first key not on disk, a file that fails verification (deleted, to be
+        Stops at the first key not on disk, a file whose recorded tokens differ from ``tokens``
+        (per key; empty: not compared), a file that fails verification (deleted, to be
         recomputed), or a host tier with no room."""
         disk = self.disk
         if disk is None or len(nodes) >= len(keys) or any(n.approximate for n in nodes) or not self.host.enabled:
@@ -255,13 +257,14 @@ class TierStack:
         loaded: list[Node] = []
         try:
             parent = nodes[-1] if nodes else self.tree.root
-            for key in keys[len(nodes):]:
+            for i in range(len(nodes), len(keys)):
+                key, want = keys[i], tuple(tokens[i]) if i < len(tokens) else ()
                 entry = disk.lookup(path_key(parent.path_key, key))
-                if entry is None or key in parent.children:
+                if entry is None or key in parent.children or (want and entry.tokens != want):
                     break
                 if not self.make_host_room(self.host.nbytes(entry.num_tokens)):
                     break
-                node = self.tree.add_child(parent, key, entry.num_tokens)
+                node = self.tree.add_child(parent, key, entry.num_tokens, entry.tokens)
                 if not self._fill_from_disk(node, entry):
                     break
                 self.lock(node)

@@ -36,7 +36,7 @@ from ragcache_backend.cache.disk import DiskStore
 from ragcache_backend.cache.disk_tier import DiskTier
 from ragcache_backend.cache.host import HostTier
 from ragcache_backend.cache.invariants import check_invariants
-from ragcache_backend.cache.knowledge_tree import KnowledgeTree, Node, SegmentKey, TierName, approximate_key
+from ragcache_backend.cache.knowledge_tree import KnowledgeTree, Node, SegmentKey, TierName, approximate_key, path_key
 from ragcache_backend.cache.lease import AcquiredPrefix, Lease, MatchResult, SegmentSpec
 from ragcache_backend.cache.policy import get_policy
 from ragcache_backend.cache.profile import PrefillProfile
@@ -178,6 +178,8 @@ class TieredCache:
         if tail_tokens < 0 or fresh_above < 0 or any(s.num_tokens < 1 for s in lead):
             raise InvalidRequestError(f"bad request shape: tail {tail_tokens}, fresh_above {fresh_above}, "
                                       f"lead {[s.num_tokens for s in lead]}")
+        if any(s.token_ids and len(s.token_ids) != s.num_tokens for s in lead):
+            raise InvalidRequestError("a segment's token ids do not number its num_tokens")
         device = self._stack.device
         need = [blocks_for(s.num_tokens, self.block_size) for s in lead]
         tail_need = blocks_for(tail_tokens, self.block_size)
@@ -188,7 +190,8 @@ class TieredCache:
                 f"+ max_tokens) but the device arena holds only {device.num_blocks}; raise the device budget or shorten it")
         upto = len(lead) if exact_upto is None else max(0, exact_upto)
         # KV built over reused chunks is never a prefix for a request that recomputes everything
-        acq = self._acquire_with_disk([s.key for s in lead[:upto]], approximate=rule is not None and rule.kind != "all")
+        acq = self._acquire_with_disk([s.key for s in lead[:upto]], approximate=rule is not None and rule.kind != "all",
+                                      tokens=[s.token_ids for s in lead[:upto]])
         prefix, sources = list(acq.nodes), []
         rest = sum(need[len(prefix):]) + tail_need
         try:
@@ -248,13 +251,15 @@ class TieredCache:
                 computed.append(False)
             key = approximate_key(piece.spec.key) if approx else piece.spec.key
             holder = self._tree.root if parent is None else parent
-            if approx and key in holder.children:
-                # another approximation of this path is cached already: this request keeps its own KV
-                # (it decodes over what it prefilled), and nothing below can hang from the tree
+            twin = holder.children.get(key)
+            if twin is not None and (approx or not twin.serves(piece.spec.token_ids)):
+                # another approximation of this path is cached already, or a node of this key holds
+                # other tokens (a hash collision): this request keeps its own KV (it decodes over
+                # what it prefilled), and nothing below can hang from the tree
                 inserting = False
             if not inserting:
                 continue
-            node = self.insert(parent, key, piece.spec.num_tokens, piece.blocks)
+            node = self.insert(parent, key, piece.spec.num_tokens, piece.blocks, tokens=piece.spec.token_ids)
             piece.node, piece.blocks, parent = node, list(node.device_blocks or ()), node  # the lease holds it now
             node.approximate = approx
             if not approx:
@@ -272,6 +277,93 @@ class TieredCache:
             self.record_request(touched, computed, lease.cached_tokens + lease.reused_tokens, max(beta, 1))
         for node, info in added:
             self._variants.add(node, info)
+
+    def keep_tail(self, lease: Lease, blocks: Sequence[SegmentSpec], context_tokens: int,
+                  repeat: SegmentSpec | None = None) -> int:
+        """Before :meth:`finish`: the lease's first tail blocks become block nodes under its last
+        lead node (vLLM keeps a finished request's full blocks the same way), so a later prompt
+        that continues this one (the next turn of a chat, with this answer in it) reuses them.
+
+        Args:
+            lease: a committed lease whose whole path is exact tree nodes (otherwise nothing is kept).
+            blocks: the block segments, in order, each a whole number of blocks, covering the
+                first tokens the request wrote past its lead (whose KV is in its tail blocks).
+            context_tokens: tokens before the first block (the lead), for the cost statistics.
+            repeat: the prompt's last, shorter block (the first tokens of the tail), kept too as a
+                host copy under the lead, so an exact repeat of the prompt reuses all but its final
+                token (needs a host tier with room; skipped otherwise).
+
+        Returns:
+            how many block nodes now hold the request's tail KV (new or already cached).
+
+        Raises:
+            InvalidRequestError: a block segment that is not a whole number of blocks, or more
+                blocks than the lease's tail holds.
+        """
+        if not lease.committed or lease.released or not (blocks or repeat):
+            return 0
+        bs = self.block_size
+        if any(spec.num_tokens % bs for spec in blocks) or sum(s.num_tokens for s in blocks) > len(lease.tail_blocks) * bs:
+            raise InvalidRequestError(f"tail blocks of {[s.num_tokens for s in blocks]} tokens do not fit "
+                                      f"{len(lease.tail_blocks)} tail blocks of {bs} tokens")
+        lead = list(lease.prefix) + [p.node for p in lease.pieces]
+        if any(n is None for n in lead):
+            return 0  # a piece of this request hangs nowhere (another version of its path is cached)
+        parent = lead[-1] if lead else self._tree.root
+        if not (parent.is_root or parent.in_device):
+            return 0
+        depth = len(KnowledgeTree.path_to(parent))
+        if repeat is not None:
+            self._keep_repeat(parent, repeat, lease.tail_blocks, depth + 1)
+        if parent.approximate:
+            return 0  # the answer's KV was computed over approximate KV: only the repeat is kept
+        kept: list[Node] = []
+        used = 0
+        try:
+            for spec in blocks:
+                twin = parent.children.get(spec.key)
+                if twin is not None and not twin.serves(spec.token_ids):
+                    break
+                n = spec.num_tokens // bs
+                ids = lease.tail_blocks[used:used + n]
+                node = self.insert(parent, spec.key, spec.num_tokens, ids, tokens=spec.token_ids)
+                used += n  # the blocks are the node's now, or were freed for an existing copy
+                kept.append(node)
+                depth += 1
+                self._stack.after_insert(node, depth)
+                parent = node
+        finally:
+            lease.tail_blocks = lease.tail_blocks[used:]
+            if kept:
+                try:
+                    self.record_request(kept, [True] * len(kept), context_tokens, sum(n.num_tokens for n in kept))
+                finally:
+                    self.release(kept)
+        return len(kept)
+
+    def _keep_repeat(self, parent: Node, spec: SegmentSpec, tail_blocks: Sequence[int], depth: int) -> None:
+        """A host-only node of ``spec`` under ``parent`` (at ``depth``): a copy of the first tail tokens
+        (approximate under an approximate parent: its KV was computed over approximate KV)."""
+        stack = self._stack
+        n = spec.num_tokens
+        key = approximate_key(spec.key) if parent.approximate else spec.key
+        if (key in parent.children or not stack.host.enabled or n > len(tail_blocks) * self.block_size
+                or not stack.make_host_room(stack.host.nbytes(n))):
+            return
+        kv = self._mover.swap_out(tail_blocks[:blocks_for(n, self.block_size)], n)
+        node = None
+        try:
+            node = self._tree.add_child(parent, key, n, spec.token_ids)
+            node.approximate = parent.approximate
+            if not stack.host.put(node, kv):
+                raise AssertionError(f"host room was made for {node!r} but it does not fit")
+            stack.after_insert(node, depth)
+        except BaseException:
+            if node is not None and self._tree.contains(node):
+                self._tree.remove(node)
+            if node is None or node.host_kv is None:
+                self._mover.free_host(kv)
+            raise
 
     def finish(self, lease: Lease) -> None:
         """Unlock the lease's nodes and free the blocks it owns; idempotent (safe in ``finally``)."""
@@ -331,11 +423,13 @@ class TieredCache:
         """See :meth:`TierStack.persist_pending` (called by the engine after a step's tokens went out)."""
         return self._stack.persist_pending(max_bytes)
 
-    def _acquire_with_disk(self, keys: Sequence[SegmentKey], *, approximate: bool = False) -> AcquiredPrefix:
+    def _acquire_with_disk(self, keys: Sequence[SegmentKey], *, approximate: bool = False,
+                           tokens: Sequence[Sequence[int]] = ()) -> AcquiredPrefix:
         """:meth:`acquire` of the longest prefix in memory, continued on the disk tier: the nodes
-        read from disk and swapped in count as ``disk_hits``, not ``host_hits``."""
-        match = self.match(keys, approximate=approximate)
-        loaded = self._stack.read_back(match.nodes, keys, self._variants.restore)
+        read from disk and swapped in count as ``disk_hits``, not ``host_hits``. ``tokens``: per
+        key, the segment's token ids, compared with every node's and file's before it serves."""
+        match = self.match(keys, approximate=approximate, tokens=tokens)
+        loaded = self._stack.read_back(match.nodes, keys, self._variants.restore, tokens)
         if loaded:
             nodes = match.nodes + tuple(loaded)
             match = MatchResult(nodes, tuple(n.tiers[0] for n in nodes), sum(n.num_tokens for n in nodes))
@@ -346,11 +440,30 @@ class TieredCache:
         self.stats.host_hits -= disk_hits
         return acq
 
+    def holds(self, keys: Sequence[SegmentKey], tokens: Sequence[Sequence[int]] = (), *, approximate: bool = False) -> bool:
+        """True if the whole path ``keys`` is cached now, in memory or (past what memory holds) on
+        the disk tier; changes nothing. ``tokens`` and ``approximate`` as for :meth:`match`."""
+        nodes = self.match(keys, approximate=approximate, tokens=tokens).nodes
+        if len(nodes) == len(keys):
+            return True
+        disk = self._stack.disk
+        if disk is None or not self._stack.host.enabled or any(n.approximate for n in nodes):
+            return False
+        parent = nodes[-1].path_key if nodes else ""
+        for i in range(len(nodes), len(keys)):
+            entry = disk.lookup(path_key(parent, keys[i]))
+            if entry is None or (i < len(tokens) and tokens[i] and entry.tokens != tuple(tokens[i])):
+                return False
+            parent = entry.path_key
+        return True
+
     # ----------------------------------------------------------------- lower-level calls
-    def match(self, keys: Sequence[SegmentKey], *, approximate: bool = False) -> MatchResult:
+    def match(self, keys: Sequence[SegmentKey], *, approximate: bool = False,
+              tokens: Sequence[Sequence[int]] = ()) -> MatchResult:
         """Longest resident prefix of ``keys`` (O(depth)); changes nothing. ``approximate``: may
-        follow approximate nodes (chunk modes only)."""
-        nodes = tuple(self._tree.match_prefix(keys, approximate=approximate))
+        follow approximate nodes (chunk modes only). ``tokens``: per key, the segment's token ids;
+        a node whose recorded tokens differ ends the match (a key is a hash, never trusted alone)."""
+        nodes = tuple(self._tree.match_prefix(keys, approximate=approximate, tokens=tokens))
         return MatchResult(nodes, tuple(n.tiers[0] for n in nodes), sum(n.num_tokens for n in nodes))
 
     def acquire(self, match: MatchResult) -> AcquiredPrefix:
@@ -419,17 +532,20 @@ class TieredCache:
         """Return request-owned blocks (from ``allocate``, not given to ``insert``)."""
         self._stack.device.free(blocks)
 
-    def insert(self, parent: Node | None, key: SegmentKey, num_tokens: int, blocks: Sequence[int]) -> Node:
+    def insert(self, parent: Node | None, key: SegmentKey, num_tokens: int, blocks: Sequence[int],
+               tokens: Sequence[int] = ()) -> Node:
         """Make ``blocks`` (from ``allocate``) the device KV of segment ``key`` under ``parent``.
 
         ``parent`` None means the root; otherwise it must be on device (acquired or just
         inserted). Returns the node locked for the caller (lock_ref += 1). If ``key`` is already
         a child on device, the given blocks are freed and the existing node is returned; if it is
-        a host-only child, the blocks become its device copy (no swap-in needed).
+        a host-only child, the blocks become its device copy (no swap-in needed). ``tokens``: the
+        segment's token ids, recorded on a new node.
 
         Raises:
             InvalidRequestError: a parent outside the tree or off device, fewer than one token,
-                or blocks that are not this many request-owned blocks.
+                blocks that are not this many request-owned blocks, or ``tokens`` that differ from
+                those of the child already under ``key`` (a hash collision: nothing changes).
         """
         parent = self._tree.root if parent is None else parent
         if not self._tree.contains(parent):
@@ -439,12 +555,14 @@ class TieredCache:
         ids = list(blocks)
         self._stack.device.check_adoption(parent, num_tokens, ids)
         node = parent.children.get(key)
+        if node is not None and not node.serves(tokens):
+            raise InvalidRequestError(f"segment key {key} is cached for other tokens (a hash collision)")
         if node is not None and node.in_device:
             self.free(ids)
             self._stack.lock(node)
             return node
         if node is None:
-            node = self._tree.add_child(parent, key, num_tokens)
+            node = self._tree.add_child(parent, key, num_tokens, tokens)
         self._stack.lock(node)
         self._stack.device.adopt(node, ids)
         return node

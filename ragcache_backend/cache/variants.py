@@ -202,7 +202,7 @@ class VariantStore:
         them wins (and its CFO is at most ``fresh_above``) its path is read back and brought to
         device (appended to ``from_disk``); if that fails, the best resident variant is used."""
         cands = [n for n in self.of(spec.key)
-                 if n.num_tokens == spec.num_tokens and n not in held
+                 if n.num_tokens == spec.num_tokens and n not in held and n.serves(spec.token_ids)
                  and (n.in_device or n.parent is None or n.parent.is_root or n.parent.in_device)]
         on_disk = self._disk_only(spec) if from_disk is not None else []
         if not cands and not on_disk:
@@ -228,7 +228,8 @@ class VariantStore:
         disk = self._stack.disk
         if disk is None or not self._stack.host.enabled:
             return []
-        found = [e for e in disk.variants(spec.key, spec.num_tokens) if self.serves(e.variant)]
+        found = [e for e in disk.variants(spec.key, spec.num_tokens)
+                 if self.serves(e.variant) and (not spec.token_ids or e.tokens == spec.token_ids)]
         if not found:
             return []
         resident = {n.path_key for n in self.any_of(spec.key)}

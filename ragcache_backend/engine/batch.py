@@ -16,7 +16,9 @@ the cache records:
    document, and windows of 16 tokens of any other text, eq. 3-4), and the KV deviation of the
    recomputed tokens when the quality guard is on;
 3. :func:`decode_input`: one generated token over the whole context;
-4. after the forward: :func:`variant_stats` (each new variant's statistics), :func:`guard_flags`
+4. when a request finishes: :func:`tail_block_specs` (the full blocks it computed past its lead,
+   block nodes for the next turn of a chat);
+5. after the forward: :func:`variant_stats` (each new variant's statistics), :func:`guard_flags`
    (reused chunks that moved too far and are recomputed in full by a second pass, :func:`prefill_input`
    with ``full``) and :func:`recomputed_tokens`.
 """
@@ -34,10 +36,10 @@ from ragcache_backend.cache.lease import ContextPart, Lease, SegmentSpec
 from ragcache_backend.model.arena import KVArena
 from ragcache_backend.model.chunk_rows import BlendSelection, FocusSelection
 from ragcache_backend.model.forward import MAX_STAT_SEGMENTS, ForwardInput, SegmentAttention
-from ragcache_backend.prompts.builder import PromptPlan, Segment, SegmentKind
+from ragcache_backend.prompts.builder import PromptPlan, Segment, SegmentKind, split_blocks
 
 __all__ = ["ChunkLayout", "chunk_deviations", "context_parts", "copy_variants", "decode_input", "guard_flags", "lead_specs",
-           "prefill_input", "recomputed_tokens", "variant_stats"]
+           "prefill_input", "recomputed_tokens", "tail_block_specs", "variant_stats"]
 
 _REST_KEY = "<rest>"
 TEXT_WINDOW = 16
@@ -76,8 +78,8 @@ def lead_specs(lead: Sequence[Segment], *, chunks: bool) -> list[SegmentSpec]:
     """The cache's view of a prompt's lead segments: with ``chunks`` (the chunk modes) documents
     are chunks, and every segment carries its context parts; otherwise plain exact segments."""
     if not chunks:
-        return [SegmentSpec(s.key, len(s)) for s in lead]
-    return [SegmentSpec(s.key, len(s), s.kind is SegmentKind.DOCUMENT, parts)
+        return [SegmentSpec(s.key, len(s), token_ids=s.token_ids) for s in lead]
+    return [SegmentSpec(s.key, len(s), s.kind is SegmentKind.DOCUMENT, parts, s.token_ids)
             for s, parts in zip(lead, context_parts(lead))]
 
 
@@ -247,3 +249,21 @@ def guard_flags(deviations: dict[int, float], threshold: float | None) -> frozen
     if threshold is None:
         return frozenset()
     return frozenset(i for i, d in deviations.items() if d > threshold)
+
+
+def tail_block_specs(plan: PromptPlan, fed: Sequence[int], block_tokens: int, salt: str = "") -> list[SegmentSpec]:
+    """The block nodes a finished request leaves behind: its prompt's rest then ``fed`` (the
+    generated tokens whose KV it wrote), cut into full blocks of ``block_tokens`` from where the
+    lead ended. Empty unless the plan is block-granular (its rest starts on a block boundary).
+
+    Args:
+        plan: the request's prompt plan.
+        fed: generated tokens fed back through the model (every sampled token but the last).
+        block_tokens: tokens per block node.
+        salt: the request's ``cache_salt`` (part of every key).
+    """
+    tokens = tuple(plan.rest) + tuple(fed)
+    if not plan.rest_blocks or len(tokens) < block_tokens:
+        return []
+    seg = Segment(tokens, SegmentKind.TAIL, cacheable=True, salt=salt)
+    return [SegmentSpec(b.key, len(b), token_ids=b.token_ids) for b in split_blocks(seg, block_tokens, partial=False)]

@@ -278,8 +278,13 @@ class EngineCore:
         m = req.handle.metrics
         m.admit_attempts += 1
         t0, c0 = time.perf_counter(), self.cache.stats.copy_s
-        tail = req.rest_tokens + req.sampling.max_tokens
+        if req.plan.repeat is not None and req.plan.rest_blocks:  # an exact repeat: the prompt's last block is cached
+            path = (*req.plan.lead, req.plan.repeat)
+            if self.cache.holds([s.key for s in path], [s.token_ids for s in path],
+                                approximate=req.reuse != "exact" and req.recompute.kind != "all"):
+                req.plan = req.plan.with_repeat()
         chunks = req.reuse != "exact" and bool(req.plan.lead)
+        tail = req.rest_tokens + req.sampling.max_tokens
         specs = batch.lead_specs(req.plan.lead, chunks=chunks)
         try:
             if not chunks:
@@ -367,6 +372,7 @@ class EngineCore:
             return
         m = req.handle.metrics
         try:
+            self._keep_tail(req)
             self.cache.finish(req.lease)
         finally:
             self._forget(req)
@@ -374,6 +380,32 @@ class EngineCore:
         self.stats.finished += 1
         if not req.handle.future.done():
             req.handle.future.set_result(req.result(reason, self.loaded.name))
+
+    def _keep_tail(self, req: Request) -> None:
+        """A finished request's full tail blocks (prompt rest, then its answer) become block nodes,
+        so the next turn of a chat reuses them. Generated tokens' KV comes from decode steps; it is
+        kept in float32 only, where it equals a prefill's to rounding (1e-4 on the logits; bf16
+        kernels compute decode rows on another path)."""
+        block_tokens = self.block_tokens
+        if block_tokens is None or not req.store or req.lease is None or req.retried:
+            return
+        fed = req.generated[:-1] if self.config.dtype == "float32" else []
+        specs = batch.tail_block_specs(req.plan, fed, block_tokens, req.segments[-1].salt if req.segments else "")
+        repeat = req.plan.repeat if req.plan.rest_blocks else None
+        if not specs and repeat is None:
+            return
+        try:
+            self.cache.keep_tail(req.lease, specs, req.lease.cached_tokens + sum(p.spec.num_tokens for p in req.lease.pieces),
+                                 batch.lead_specs([repeat], chunks=False)[0] if repeat is not None else None)
+        except Exception:  # the cache is a cache: a failure to keep the tail never fails the request
+            log.exception("keeping request %d's tail blocks failed; they are freed", req.rid)
+
+    @property
+    def block_tokens(self) -> int | None:
+        """Tokens per block node (None: block-granular reuse is off)."""
+        if not self.config.block_reuse:
+            return None
+        return self.config.block_size * self.config.block_reuse_blocks
 
     # ---- failures ----------------------------------------------------------------------------------
     def _forget(self, req: Request) -> None:
@@ -429,7 +461,7 @@ class EngineCore:
         use = self.config.enable_cache if use_cache is None else use_cache
         if not use:
             return PromptPlan((), tuple(t for s in segments for t in s.token_ids))
-        return plan_prompt(segments, whole_prompt=self.config.whole_prompt_reuse)
+        return plan_prompt(segments, whole_prompt=self.config.whole_prompt_reuse, block_tokens=self.block_tokens)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until no request is in flight; False if ``timeout`` seconds passed first."""

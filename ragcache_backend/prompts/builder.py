@@ -193,29 +193,88 @@ class PromptPlan:
     Attributes:
         lead: segments served from / inserted into the tree, in prompt order (a prefix path).
         rest: token ids past the lead, always computed (never empty: at least the last token).
+        rest_blocks: the rest starts on a block boundary of its segment (block-granular plans):
+            the full blocks of what the request computes past the lead (the rest, then the
+            generated tokens) may become block nodes under the lead when it finishes.
+        repeat: the prompt's last, shorter block without its final token (the rest's head), or
+            None: served from the tree only when it is cached after the lead (an exact repeat of
+            an earlier prompt; :meth:`with_repeat`), otherwise computed with the rest.
     """
 
     lead: tuple[Segment, ...]
     rest: tuple[int, ...]
+    rest_blocks: bool = False
+    repeat: Segment | None = None
+
+    def with_repeat(self) -> PromptPlan:
+        """This plan with :attr:`repeat` joined to the lead (the tree holds it): the rest is the
+        final token, and it no longer starts on a block boundary."""
+        if self.repeat is None:
+            return self
+        return PromptPlan((*self.lead, self.repeat), self.rest[len(self.repeat):])
 
 
-def plan_prompt(segments: Sequence[Segment], *, whole_prompt: bool = True) -> PromptPlan:
+def split_blocks(segment: Segment, block_tokens: int, *, partial: bool = True) -> list[Segment]:
+    """``segment`` as block nodes of ``block_tokens`` tokens (vLLM's block hashes, RAGCache's tree):
+    every block is a segment of its own kind and salt, keyed by its tokens, so any two prompts
+    that share their first ``N`` tokens of this segment share ``floor(N / block_tokens)`` block
+    nodes. A document is never split (it is RAGCache's unit of reuse). ``partial``: keep the
+    last, shorter block (False drops it).
+
+    Raises:
+        InvalidRequestError: ``block_tokens`` < 1.
+    """
+    if block_tokens < 1:
+        raise InvalidRequestError(f"block_tokens must be >= 1, got {block_tokens}")
+    ids = segment.token_ids
+    if segment.kind is SegmentKind.DOCUMENT or (len(ids) <= block_tokens and partial):
+        return [segment]
+    stop = len(ids) if partial else len(ids) - len(ids) % block_tokens
+    return [Segment(ids[a : a + block_tokens], segment.kind, cacheable=True, doc_id=segment.doc_id, salt=segment.salt)
+            for a in range(0, stop, block_tokens)]
+
+
+def plan_prompt(segments: Sequence[Segment], *, whole_prompt: bool = True, block_tokens: int | None = None) -> PromptPlan:
     """Split a prompt into its cacheable lead and the tokens always computed.
 
     With ``whole_prompt`` every segment joins the lead, the last one without its final token (so
     an exact repeat of a prompt reuses all but one token, RAGCache's tree extended to the
     question as vLLM's block cache does); otherwise the lead is :func:`cacheable_lead`.
 
+    With ``block_tokens`` (block-granular reuse, the engine's default) text that no document
+    marks is cut into block nodes (:func:`split_blocks`); under ``whole_prompt`` only the full
+    blocks of the last segment join the lead (its last, shorter block and final token are the
+    rest), so the rest starts on a block boundary and a longer prompt that continues this one
+    (the next turn of a chat) finds the same blocks, and the ones its answer filled; that shorter
+    block is the plan's ``repeat``, served when cached (an exact repeat still reuses all but the
+    final token).
+
     Raises:
-        InvalidRequestError: no segments.
+        InvalidRequestError: no segments, or ``block_tokens`` < 1.
     """
     if not segments:
         raise InvalidRequestError("a prompt needs at least one segment")
+    if block_tokens is not None and block_tokens < 1:
+        raise InvalidRequestError(f"block_tokens must be >= 1, got {block_tokens}")
     if not whole_prompt:
         lead = cacheable_lead(segments)
-        return PromptPlan(tuple(lead), tuple(t for s in segments[len(lead):] for t in s.token_ids))
+        rest = tuple(t for s in segments[len(lead):] for t in s.token_ids)
+        if block_tokens is None:
+            return PromptPlan(tuple(lead), rest)
+        return PromptPlan(tuple(b for s in lead for b in split_blocks(s, block_tokens)), rest, rest_blocks=True)
     *body, last = segments
-    lead = list(body)
-    if len(last) > 1:
-        lead.append(Segment(last.token_ids[:-1], last.kind, cacheable=True, doc_id=last.doc_id, salt=last.salt))
-    return PromptPlan(tuple(lead), last.token_ids[-1:])
+    if block_tokens is None:
+        lead = list(body)
+        if len(last) > 1:
+            lead.append(Segment(last.token_ids[:-1], last.kind, cacheable=True, doc_id=last.doc_id, salt=last.salt))
+        return PromptPlan(tuple(lead), last.token_ids[-1:])
+    lead = [b for s in body for b in split_blocks(s, block_tokens)]
+    full = (len(last) - 1) // block_tokens * block_tokens
+    if full:
+        head = Segment(last.token_ids[:full], SegmentKind.TEXT if last.kind is SegmentKind.DOCUMENT else last.kind,
+                       cacheable=True, salt=last.salt)
+        lead.extend(split_blocks(head, block_tokens))
+    partial = last.token_ids[full:-1]
+    repeat = Segment(partial, SegmentKind.TEXT if last.kind is SegmentKind.DOCUMENT else last.kind, cacheable=True,
+                     salt=last.salt) if partial else None
+    return PromptPlan(tuple(lead), last.token_ids[full:], rest_blocks=True, repeat=repeat)
