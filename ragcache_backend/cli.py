@@ -144,6 +144,12 @@ def _not_a_file(value: Path) -> Path:
     return value
 
 
+def _not_a_folder(value: Path) -> Path:
+    if value.is_dir():
+        raise typer.BadParameter(f"{value} is a folder; give a file name")
+    return value
+
+
 def _existing_model(value: Optional[str]) -> Optional[str]:
     if value and not Path(value).expanduser().exists():
         raise typer.BadParameter(f"model path does not exist: {value}")
@@ -447,6 +453,17 @@ def serve(
     log_level: Optional[str] = typer.Option(None, "--log-level", parser=NameChoice("log level", LOG_LEVELS),
                                             metavar="[" + "|".join(LOG_LEVELS) + "]", help="log level (default info)"),
     api_key: Optional[str] = typer.Option(None, "--api-key", help="require 'Authorization: Bearer KEY' on /v1 (or RAGCACHE_API_KEY)"),
+    index: Optional[Path] = typer.Option(
+        None, "--index", help="a folder written by `ragcache index` (the one it prints, or the corpus folder it "
+                              "indexed): every document of it is recognised inside plain chat messages, without the "
+                              "request's documents field, and gets its own cache nodes (or RAGCACHE_INDEX)"),
+    learned_documents: Optional[Path] = typer.Option(
+        None, "--learned-documents", callback=lambda v: _not_a_folder(v) if v is not None else v,
+        help="file keeping the documents learned from requests' documents field, so a restarted server still "
+             "recognises them (default: $RAGCACHE_HOME/learned_documents.jsonl)"),
+    remember_documents: Optional[bool] = typer.Option(
+        None, "--remember-documents/--no-remember-documents",
+        help="keep learned documents across restarts (default on; off: that file is neither read nor written)"),
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)."""
     with _user_errors():
@@ -455,6 +472,7 @@ def serve(
         try:
             from ragcache_backend.server.app import bind_socket
             from ragcache_backend.server.app import serve as run_server
+            from ragcache_backend.server.prompting import LearnedDocuments, load_index_documents
             from ragcache_backend.server.settings import load_settings
         except ImportError as exc:
             raise InvalidRequestError(f"ragcache serve needs the serve extra (pip install 'ragcache-kv[serve]'): {exc}") from None
@@ -463,10 +481,17 @@ def serve(
             device_mib=device_mib, host_mib=host_mib, cache_dir=cache_dir, disk_cache=disk_cache,
             disk_budget_mib=disk_budget_mib, max_batch_size=max_batch_size, max_queue=max_queue,
             served_model_name=served_model_name, default_max_tokens=default_max_tokens, drain_timeout=drain_timeout,
-            log_level=log_level, api_key=api_key,
+            log_level=log_level, api_key=api_key, index=index, learned_documents=learned_documents,
+            remember_documents=remember_documents,
         )
         _precheck(None, settings.model)
         config = settings.engine_config()
+        if settings.learned_documents_path is not None:
+            LearnedDocuments(settings.learned_documents_path).check()
+        # before the model: a bad or damaged index fails in a moment, not after seconds of loading
+        index_documents = load_index_documents(settings.index) if settings.index is not None else None
+        if index_documents is not None:
+            err.print(f"index: {len(index_documents)} documents recognised in prompts", highlight=False)
         try:
             sock = bind_socket(settings.host, settings.port)
         except OSError as exc:
@@ -479,7 +504,7 @@ def serve(
         except BaseException:
             sock.close()
             raise
-        run_server(engine, settings, sock)
+        run_server(engine, settings, sock, index_documents=index_documents)
 
 
 #: Bounds of ``ragcache bench``'s numeric options (0 means "the mode's default" where allowed).

@@ -19,7 +19,7 @@ import logging
 import signal
 import socket
 import sys
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable, Iterator, Sequence
 from types import FrameType
 from typing import TypeVar
 
@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ragcache_backend.engine.engine import RAGCacheEngine
+from ragcache_backend.retrieval.documents import Document
 from ragcache_backend.server.errors import APIError
 from ragcache_backend.server.metrics import CONTENT_TYPE
 from ragcache_backend.server.schema import (
@@ -103,14 +104,19 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | Resp
             task.cancel()
 
 
-def create_app(engine: RAGCacheEngine, settings: ServerSettings | None = None) -> FastAPI:
+def create_app(engine: RAGCacheEngine, settings: ServerSettings | None = None, *,
+               index_documents: Sequence[Document] | None = None) -> FastAPI:
     """The OpenAI-compatible app over ``engine`` (which the caller owns and closes).
 
     ``app.state.service`` is its :class:`CompletionService` (drain, metrics). Each app has its own
-    Prometheus registry, so several apps can live in one process.
+    Prometheus registry, so several apps can live in one process. ``index_documents``: the
+    documents of ``settings.index`` if already loaded (None: loaded here).
+
+    Raises:
+        InvalidRequestError, CorruptFileError: a bad ``settings.index`` or learned documents' path.
     """
     settings = settings or ServerSettings()
-    service = CompletionService(engine, settings)
+    service = CompletionService(engine, settings, index_documents=index_documents)
     app = FastAPI(title="ragcache", summary="OpenAI-compatible API with document-level KV caching",
                   responses={400: {"model": ErrorResponse}})
     app.state.service = service
@@ -240,16 +246,18 @@ def return_freed_buffers_to_the_os(threshold_bytes: int = 1 << 20) -> bool:
         return False
 
 
-def serve(engine: RAGCacheEngine, settings: ServerSettings, sock: socket.socket | None = None) -> None:
+def serve(engine: RAGCacheEngine, settings: ServerSettings, sock: socket.socket | None = None, *,
+          index_documents: Sequence[Document] | None = None) -> None:
     """Serve ``engine`` until SIGTERM or SIGINT, drain, then close the engine.
 
     Args:
         engine: the engine; closed (remaining requests cancelled) when the server stops.
         settings: host, port, log level, drain timeout...
         sock: an already bound socket (see :func:`bind_socket`); None binds ``settings.host:port``.
+        index_documents: the documents of ``settings.index`` if already loaded (None: loaded here).
     """
     return_freed_buffers_to_the_os()
-    app = create_app(engine, settings)
+    app = create_app(engine, settings, index_documents=index_documents)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             timeout_graceful_shutdown=settings.drain_timeout, lifespan="off")
     server = DrainingServer(config, app.state.service)

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from ragcache_backend.engine.engine import RAGCacheEngine
@@ -21,11 +21,14 @@ from ragcache_backend.errors import ContextWindowError, InvalidRequestError
 from ragcache_backend.model.sampling import SamplingParams
 from ragcache_backend.prompts.builder import MAX_SALT_CHARS
 from ragcache_backend.prompts.recognition import SegmentedPrompt
+from ragcache_backend.retrieval.documents import Document
 from ragcache_backend.server.errors import APIError, from_engine_error
 from ragcache_backend.server.metrics import ServerMetrics, engine_load
 from ragcache_backend.server.prompting import (
+    LearnedDocuments,
     PromptAssembler,
     chat_turns,
+    load_index_documents,
     passed_documents,
     with_documents,
     with_documents_raw,
@@ -141,14 +144,26 @@ class CompletionService:
 
     Args:
         engine: the engine (owned by the caller, who closes it).
-        settings: served model name, default reuse mode and max_tokens, queue bound.
+        settings: served model name, default reuse mode and max_tokens, queue bound, the index whose
+            documents are recognised, where learned documents are kept.
+        index_documents: the documents of ``settings.index`` when the caller already loaded them
+            (:func:`~ragcache_backend.server.prompting.load_index_documents`); None loads them here.
+
+    Raises:
+        InvalidRequestError: ``settings.index`` is not an index, or the learned documents' path is a folder.
+        CorruptFileError: the index is damaged.
     """
 
-    def __init__(self, engine: RAGCacheEngine, settings: ServerSettings) -> None:
+    def __init__(self, engine: RAGCacheEngine, settings: ServerSettings, *,
+                 index_documents: Sequence[Document] | None = None) -> None:
         self.engine = engine
         self.settings = settings
         self.model_name = settings.served_model_name or engine.model_name
-        self.prompts = PromptAssembler(engine)
+        if index_documents is None and settings.index is not None:
+            index_documents = load_index_documents(settings.index)
+        learned = settings.learned_documents_path
+        self.prompts = PromptAssembler(engine, documents=index_documents or (),
+                                       learned=LearnedDocuments(learned) if learned is not None else None)
         self.metrics = ServerMetrics(engine)
         self.created = int(time.time())
         self.draining = False

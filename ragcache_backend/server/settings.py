@@ -17,12 +17,17 @@ from pydantic import Field, SecretStr, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from ragcache_backend.config import MiB, EngineConfig, default_disk_dir
+from ragcache_backend.config import MiB, EngineConfig, default_disk_dir, ragcache_home
 from ragcache_backend.errors import InvalidRequestError
 
-__all__ = ["LOG_LEVELS", "ServerSettings", "load_settings", "read_config_file"]
+__all__ = ["LOG_LEVELS", "ServerSettings", "default_learned_documents_file", "load_settings", "read_config_file"]
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def default_learned_documents_file() -> Path:
+    """Where ``ragcache serve`` keeps the documents it learned: ``ragcache_home()/learned_documents.jsonl``."""
+    return ragcache_home() / "learned_documents.jsonl"
 
 
 class ServerSettings(BaseSettings):
@@ -52,6 +57,14 @@ class ServerSettings(BaseSettings):
     drain_timeout: float = Field(30.0, ge=0.0, description="seconds in-flight requests get to finish on shutdown")
     log_level: Literal[LOG_LEVELS] = Field("info", description="log level (uvicorn's names)")  # type: ignore[valid-type]
     api_key: SecretStr | None = Field(None, description="if set, /v1 requests need 'Authorization: Bearer <key>'")
+    index: Path | None = Field(None, description="a folder written by `ragcache index` (or the corpus folder it "
+                                                 "indexed): its documents are recognised inside plain chat messages, "
+                                                 "without the request's documents field")
+    learned_documents: Path | None = Field(None, description="file keeping the documents learned from requests' "
+                                                             "documents field across restarts (JSON lines); "
+                                                             "None = ragcache_home()/learned_documents.jsonl")
+    remember_documents: bool = Field(True, description="False: learned documents are recognised until the server "
+                                                       "stops only (the file is neither read nor written)")
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
@@ -65,6 +78,13 @@ class ServerSettings(BaseSettings):
         if not self.disk_cache:
             return None
         return (self.cache_dir or default_disk_dir()).expanduser()
+
+    @property
+    def learned_documents_path(self) -> Path | None:
+        """The learned documents' file, or None when they are not kept across restarts."""
+        if not self.remember_documents:
+            return None
+        return (self.learned_documents or default_learned_documents_file()).expanduser()
 
     def engine_config(self) -> EngineConfig:
         """The :class:`EngineConfig` these settings describe.

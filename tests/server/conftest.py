@@ -42,7 +42,7 @@ def start_server(tmp: Path, *extra: str, timeout: float = 240.0) -> RunningServe
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     process = subprocess.Popen(
         [str(RAGCACHE), "serve", "--port", str(port), "--cache-dir", str(tmp / "kv"), "--threads", "2",
-         "--drain-timeout", "60", *extra],
+         "--drain-timeout", "60", "--learned-documents", str(tmp / "learned_documents.jsonl"), *extra],
         stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env,
     )
     url = f"http://127.0.0.1:{port}"
@@ -68,6 +68,12 @@ def stop_server(server: RunningServer) -> None:
         except subprocess.TimeoutExpired:
             server.process.kill()
             server.process.wait()
+
+
+@pytest.fixture(autouse=True)
+def _learned_documents_in_tmp(tmp_path, monkeypatch):
+    """In-process apps keep the documents they learn in the test's folder, not in ~/.cache/ragcache."""
+    monkeypatch.setenv("RAGCACHE_LEARNED_DOCUMENTS", str(tmp_path / "learned_documents.jsonl"))
 
 
 @pytest.fixture(scope="module")

@@ -62,8 +62,9 @@ def test_kv_survives_stop_kill_and_corruption(tmp_path):
     finally:
         stop_server(server)
     assert server.process.returncode == 0
-    nodes = len(kv_files(kv))  # text before, document, separator, document, question
-    assert nodes == 2 * len(DOCS) + 1
+    nodes = len(kv_files(kv))  # template blocks, document, separator, document, question blocks, answer blocks
+    path = 2 * len(DOCS) + 1  # at least: text before, document, separator, document, question
+    assert nodes >= path
 
     # 2. a new process serves the repeat from disk; then it is killed with SIGKILL
     server = start_server(tmp_path)
@@ -71,7 +72,7 @@ def test_kv_survives_stop_kill_and_corruption(tmp_path):
         again, info = ask(server.url)
         full = first.usage.prompt_tokens - 1
         assert again.usage.prompt_tokens_details.cached_tokens == full
-        assert info["disk_hits"] == nodes
+        assert info["disk_hits"] >= path  # the prompt's path (the answer's blocks are not on it)
         assert again.choices[0].message.content == first.choices[0].message.content
         other, _ = ask(server.url, "Does the GIL make threads useless?")  # new question: one more file
         wait_files(kv, nodes + 1)
