@@ -44,21 +44,29 @@ class _CountingMover:
 
 
 def replay(prompts, *, policy: str, profile, device_bytes: int, host_bytes: int, bytes_per_token: int,
-           block_size: int = 16, max_tokens: int = 4, whole_prompt: bool = True) -> dict:
+           block_size: int = 16, max_tokens: int = 4, whole_prompt: bool = True, block_reuse: bool = True) -> dict:
     """Hit rates of one policy over ``prompts`` (lists of segments, in arrival order); with
-    ``whole_prompt`` the question tail is cached too, as the engine does by default."""
+    ``whole_prompt`` the question tail is cached too, and with ``block_reuse`` text that no
+    document marks is cached in block nodes of ``block_size`` tokens, as the engine does by default
+    (answers are not replayed: ``max_tokens`` only reserves room)."""
     num_blocks = device_bytes // (bytes_per_token * block_size)
     cache = TieredCache(num_blocks, block_size, host_bytes, _CountingMover(bytes_per_token), policy=policy,
                         profile=profile if policy == "pgdsf" else None)
     total = cached = 0
     for segs in prompts:
-        plan = plan_prompt(segs, whole_prompt=whole_prompt)
-        lease = cache.admit([SegmentSpec(s.key, len(s)) for s in plan.lead], len(plan.rest) + max_tokens)
+        plan = plan_prompt(segs, whole_prompt=whole_prompt, block_tokens=block_size if block_reuse else None)
+        if plan.repeat is not None and cache.holds([s.key for s in (*plan.lead, plan.repeat)]):
+            plan = plan.with_repeat()
+        lease = cache.admit([SegmentSpec(s.key, len(s), token_ids=s.token_ids) for s in plan.lead],
+                            len(plan.rest) + max_tokens)
         if lease is None:  # one request at a time: the arena is never held by another
             raise AssertionError("replay: no room with no request running")
         try:
             alpha = lease.cached_tokens
             cache.commit(lease, len(plan.rest))
+            if plan.repeat is not None and plan.rest_blocks:  # kept for an exact repeat, as the engine does
+                cache.keep_tail(lease, [], alpha, SegmentSpec(plan.repeat.key, len(plan.repeat),
+                                                              token_ids=plan.repeat.token_ids))
         finally:
             cache.finish(lease)
         total += sum(len(s) for s in segs)

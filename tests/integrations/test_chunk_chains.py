@@ -65,8 +65,9 @@ def test_question_first_prompt_and_any_vector_store_reuse_documents_across_quest
     cache_read = [m.usage_metadata["input_token_details"]["cache_read"] for m in (tree_only, reused)]
     print("\nquestion-first prompt, new questions: cache_read exact", cache_read[0], "of",
           tree_only.usage_metadata["input_tokens"], "| auto", cache_read[1], "of", reused.usage_metadata["input_tokens"])
-    assert cache_read[0] == 0  # the question comes first: the tree alone has nothing to reuse
-    assert cache_read[1] > 100  # the shared documents, after another question
+    # the question comes first: the tree alone reuses only the template's blocks before it, no document
+    assert cache_read[0] % engine.block_tokens == 0 and cache_read[0] < 100
+    assert cache_read[1] > cache_read[0] + 100  # the shared documents, after another question
     meta = reused.response_metadata
     assert meta["chunk_hits"] >= 1 and 0 < meta["chunk_cached_tokens"] <= cache_read[1]
     engine.cache.check_invariants()

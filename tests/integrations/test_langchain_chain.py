@@ -123,7 +123,9 @@ def test_edited_document_is_computed_not_reused(engine, short_docs) -> None:
     first = ask(engine, content)
     assert first.content == reference.content
     assert first.response_metadata["documents"] == []
-    assert first.usage_metadata["input_token_details"]["cache_read"] == 0  # the original's KV is never used
+    # the original's KV is never used: at most the template's blocks before the document (block nodes)
+    read = first.usage_metadata["input_token_details"]["cache_read"]
+    assert read % engine.block_tokens == 0 and read <= 2 * engine.block_tokens
     again = ask(engine, content)  # an exact repeat of the edited prompt is reused whole (all but one token)
     assert again.content == reference.content
     assert again.usage_metadata["input_token_details"]["cache_read"] == again.usage_metadata["input_tokens"] - 1
@@ -156,7 +158,8 @@ def test_empty_retrieval_is_served(engine) -> None:
     off = rag_chain(no_docs, ChatRAGCache(engine=engine, max_tokens=6, use_cache=False))
     answer, usage = run_with_usage(chain, "What is Python?")
     assert answer == off.invoke("What is Python?")
-    assert usage["input_token_details"]["cache_read"] == 0
+    read = usage["input_token_details"]["cache_read"]  # no document: at most the template's blocks seen before
+    assert read % engine.block_tokens == 0 and read < usage["input_tokens"] // 2
 
 
 def test_text_blocks_are_served_and_other_content_refused(engine, short_docs) -> None:

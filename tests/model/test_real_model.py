@@ -158,7 +158,8 @@ def test_cli_ask_twice_reuses_the_first_runs_kv_from_disk(tmp_path):
     first, second = runs
     assert first["cached_tokens"] == 0 and first["disk_hits"] == 0
     assert second["cached_tokens"] == second["prompt_tokens"] - 1  # the whole prompt but its last token
-    assert second["disk_hits"] == 4 and second["answer"] == first["answer"]  # system, 2 documents, question
+    # template blocks, 2 documents, question blocks and the prompt's last block
+    assert second["disk_hits"] >= 4 and second["answer"] == first["answer"]
     # pipelined (staged search + speculative prefill): the same answer and sources, with the search figures
     proc = _cli(*args, "--pipelined", "--no-disk-cache", env_home=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
