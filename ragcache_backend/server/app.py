@@ -211,16 +211,23 @@ class DrainingServer(uvicorn.Server):
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to ``host:port`` (not listening yet: connections are refused until the
-    server starts).
+    server starts), with Nagle's algorithm off (``TCP_NODELAY``, inherited by accepted connections).
+
+    The socket is made with the protocol ``getaddrinfo`` gives (``IPPROTO_TCP``): asyncio sets
+    ``TCP_NODELAY`` only on sockets whose ``proto`` says TCP, and a socket made with protocol 0
+    kept Nagle on. A response's body, written after its headers, then waited for the client's
+    delayed ACK: 40 ms added to every request after the first on a kept-alive connection
+    (measured: ``GET /health`` 44 ms instead of 1 ms; every streamed first token 40 ms late).
 
     Raises:
         OSError: the address is in use or cannot be bound.
     """
-    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(info[0], socket.SOCK_STREAM)
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
-        sock.bind(info[4])
+        sock.bind(address)
     except OSError:
         sock.close()
         raise

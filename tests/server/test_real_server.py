@@ -8,6 +8,7 @@ is in flight. Every request generates at most 16 tokens.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import re
 import signal
@@ -70,6 +71,25 @@ def test_models_and_health(server, model_name):
     assert "SmolLM2" in model_name
     health = httpx.get(f"{server.url}/health").json()
     assert health["status"] == "ok" and health["model"] == model_name and health["in_flight"] == 0
+
+
+def test_kept_alive_connection_answers_without_nagle_delay(server):
+    """Every request on one kept-alive connection is answered at once: with Nagle's algorithm on
+    (a listening socket made with protocol 0, which asyncio does not set TCP_NODELAY on) a response
+    body written after its headers waited for the client's delayed ACK, >= 40 ms each time."""
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    took = []
+    try:
+        for _ in range(7):
+            t0 = time.perf_counter()
+            conn.request("GET", "/health")
+            response = conn.getresponse()
+            assert response.status == 200 and json.loads(response.read())["status"] == "ok"
+            took.append(time.perf_counter() - t0)
+    finally:
+        conn.close()
+    assert sorted(took)[3] < 0.03, f"median {sorted(took)[3] * 1000:.1f} ms per request on a kept-alive connection"
 
 
 def test_documents_are_recognised_and_reused(client, model_name):
