@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import signal
 import socket
-import sys
 from collections.abc import Awaitable, Iterator, Sequence
 from types import FrameType
 from typing import TypeVar
@@ -32,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ragcache_backend.engine.engine import RAGCacheEngine
 from ragcache_backend.retrieval.documents import Document
 from ragcache_backend.server.errors import APIError
+from ragcache_backend.server.heap import HeapTrimmer
 from ragcache_backend.server.metrics import CONTENT_TYPE
 from ragcache_backend.server.schema import (
     ChatCompletion,
@@ -45,7 +44,7 @@ from ragcache_backend.server.schema import (
 from ragcache_backend.server.service import CompletionService, endpoint_label
 from ragcache_backend.server.settings import ServerSettings
 
-__all__ = ["DrainingServer", "bind_socket", "create_app", "return_freed_buffers_to_the_os", "serve"]
+__all__ = ["DrainingServer", "bind_socket", "create_app", "serve"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -235,24 +234,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def return_freed_buffers_to_the_os(threshold_bytes: int = 1 << 20) -> bool:
-    """On glibc, serve allocations of ``threshold_bytes`` or more (host-tier KV buffers, files read
-    back from disk) with mmap, so that freeing one gives its memory back to the OS.
-
-    By default glibc raises that threshold after the first large free, and later buffers come from
-    the heap, where freed ones fragment: a server whose host tier churns kept growing (measured:
-    +373 MiB of RSS beyond the tiers' bytes after a second 200-client burst, +2 MiB with this).
-    Returns False where it does not apply (another libc, another OS).
-    """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(-3, threshold_bytes))  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        return False
-
-
 def serve(engine: RAGCacheEngine, settings: ServerSettings, sock: socket.socket | None = None, *,
           index_documents: Sequence[Document] | None = None) -> None:
     """Serve ``engine`` until SIGTERM or SIGINT, drain, then close the engine.
@@ -263,7 +244,6 @@ def serve(engine: RAGCacheEngine, settings: ServerSettings, sock: socket.socket 
         sock: an already bound socket (see :func:`bind_socket`); None binds ``settings.host:port``.
         index_documents: the documents of ``settings.index`` if already loaded (None: loaded here).
     """
-    return_freed_buffers_to_the_os()
     app = create_app(engine, settings, index_documents=index_documents)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             timeout_graceful_shutdown=settings.drain_timeout, lifespan="off")
@@ -273,6 +253,7 @@ def serve(engine: RAGCacheEngine, settings: ServerSettings, sock: socket.socket 
             host, port = sock.getsockname()[:2]
             logging.getLogger("uvicorn.error").info("ragcache serving %s on http://%s:%d (Ctrl+C to stop)",
                                                     app.state.service.model_name, host, port)
-        server.run(sockets=[sock] if sock is not None else None)
+        with HeapTrimmer():  # the host tier's freed buffers go back to the OS (server/heap.py)
+            server.run(sockets=[sock] if sock is not None else None)
     finally:
         engine.close(cancel=True, timeout=30.0)

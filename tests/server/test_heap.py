@@ -1,0 +1,30 @@
+"""The server's heap trimmer (server/heap.py): runs, stops, and refuses a bad interval."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from ragcache_backend.server.heap import HeapTrimmer
+
+
+def test_rejects_a_non_positive_interval():
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="interval_s"):
+            HeapTrimmer(bad)
+
+
+def test_trims_in_the_background_until_stopped():
+    trimmer = HeapTrimmer(interval_s=0.01)
+    if not trimmer.available:
+        pytest.skip("not glibc: the trimmer does nothing here")
+    with trimmer:
+        deadline = time.monotonic() + 5
+        while trimmer.trims < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert trimmer.trims >= 3
+    done = trimmer.trims
+    time.sleep(0.05)
+    assert trimmer.trims == done  # stopped: no more trims
+    assert isinstance(trimmer.trim(), bool)
