@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DOCS := /usr/share/doc/python3.11/html/_sources
 
-.PHONY: setup corpus demo test clean
+.PHONY: setup corpus demo test clean vllm-env redis
 
 setup: $(VENV)/.installed corpus
 
@@ -27,7 +27,25 @@ corpus:
 demo: setup
 	$(BIN)/ragcache demo --json demo-results.json
 
-test: setup
+# vLLM's CPU build in its own venv (never in .venv) and the default model as a Hugging Face folder:
+# the connector's tests start real vLLM processes (tests/integrations/vllm/).
+VLLM_VENV := benchmarks/.venv-vllm
+MODEL_DIR := benchmarks/models/smollm2-135m-bf16
+
+vllm-env: $(VLLM_VENV)/.ok $(MODEL_DIR)/config.json
+
+$(VLLM_VENV)/.ok:
+	bash benchmarks/setup_peers.sh vllm || { tail -30 benchmarks/logs/setup-vllm.log; exit 1; }
+
+$(MODEL_DIR)/config.json: $(VENV)/.installed
+	$(BIN)/python benchmarks/convert_model.py
+
+# A real Redis on loopback for the remote tier's tests (Debian's package; the tests start their own).
+redis:
+	@command -v redis-server >/dev/null || apt-get install -y -q redis-server >/dev/null || \
+	  { echo "the tests need redis-server: apt-get install redis-server (as root)"; exit 1; }
+
+test: setup vllm-env redis
 	$(BIN)/python -m pytest -q -ra
 
 clean:

@@ -76,3 +76,46 @@ def faq_store(faq_dir, tmp_path_factory):
     from ragcache_backend.retrieval.docstore import build_index
 
     return build_index(faq_dir, tmp_path_factory.mktemp("faq-index"), progress=False)
+
+
+class RedisServer:
+    """A real ``redis-server`` (Debian's package) on loopback, in its own folder, no persistence."""
+
+    def __init__(self, folder) -> None:
+        import shutil
+        import socket
+        import subprocess
+        import time
+
+        exe = shutil.which("redis-server")
+        if exe is None:
+            pytest.fail("redis-server is not installed: run `make test` (it installs it) or "
+                        "`apt-get install redis-server`")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._cmd = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                     "--dir", str(folder)]
+        self.proc = subprocess.Popen(self._cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        pytest.fail("redis-server did not start within 20 s")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A fresh Redis on a free loopback port, stopped after the test."""
+    server = RedisServer(tmp_path)
+    yield server
+    server.stop()
