@@ -63,10 +63,22 @@ from ragcache_backend.errors import CorruptFileError, InvalidRequestError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FORMAT", "DiskEntry", "DiskStats", "DiskStore", "path_key"]  # FORMAT, path_key: re-exported
+__all__ = ["FORMAT", "DiskEntry", "DiskStats", "DiskStore", "entry_file", "path_key", "store_folder"]  # FORMAT, path_key: re-exported
 
 _NAME = re.compile(r"^[0-9a-f]{32}$")
 MiB = 1 << 20
+
+
+def store_folder(root: Path | str, fingerprint: str) -> Path:
+    """The folder in which a :class:`DiskStore` for model ``fingerprint`` under ``root`` keeps its
+    files (no I/O; another process, such as vLLM's scheduler, checks for files there)."""
+    safe = re.sub(r"[^0-9A-Za-z._-]", "_", fingerprint)[:80]
+    return Path(root).expanduser() / f"v{FORMAT}-{safe}"
+
+
+def entry_file(folder: Path, pkey: str) -> Path:
+    """The file of path key ``pkey`` in a store's ``folder`` (:func:`store_folder`)."""
+    return folder / f"{pkey}{SUFFIX}"
 
 
 @dataclass(slots=True, eq=False)
@@ -162,8 +174,7 @@ class DiskStore:
         root = Path(root).expanduser()
         if root.exists() and not root.is_dir():
             raise InvalidRequestError(f"disk cache path {root} exists and is not a folder")
-        safe = re.sub(r"[^0-9A-Za-z._-]", "_", fingerprint)[:80]
-        self.directory = root / f"v{FORMAT}-{safe}"
+        self.directory = store_folder(root, fingerprint)
         self._format = KVFileFormat(fingerprint, tuple(int(x) for x in layout), dtype)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.fingerprint = fingerprint
@@ -417,7 +428,7 @@ class DiskStore:
 
     # ---- index ---------------------------------------------------------------------------------
     def _file(self, pkey: str) -> Path:
-        return self.directory / f"{pkey}{SUFFIX}"
+        return entry_file(self.directory, pkey)
 
     def _is_leaf(self, e: DiskEntry) -> bool:
         """An entry may be evicted when it is indexed and no entry, written or queued, hangs from it."""
