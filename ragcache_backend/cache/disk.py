@@ -63,10 +63,21 @@ from ragcache_backend.errors import CorruptFileError, InvalidRequestError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FORMAT", "DiskEntry", "DiskStats", "DiskStore", "entry_file", "path_key", "store_folder"]  # FORMAT, path_key: re-exported
+__all__ = ["FORMAT", "DiskEntry", "DiskStats", "DiskStore", "entry_file", "lower_thread_priority", "path_key",
+           "store_folder"]  # FORMAT, path_key: re-exported
 
 _NAME = re.compile(r"^[0-9a-f]{32}$")
 MiB = 1 << 20
+
+
+def lower_thread_priority(niceness: int = 10) -> None:
+    """Make the calling thread yield the CPU to the engine's (Linux: a thread's own nice value):
+    a background writer's checksums and serialisation then never slow a forward pass on a machine
+    with few cores. A no-op where the OS refuses."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+    except (AttributeError, OSError):
+        pass
 
 
 def store_folder(root: Path | str, fingerprint: str) -> Path:
@@ -371,6 +382,7 @@ class DiskStore:
         self._writer.join(timeout)
 
     def _write_loop(self) -> None:
+        lower_thread_priority()
         while True:
             job = self._queue.get()
             if job is None:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ragcache_backend.cache.disk import lower_thread_priority
 from ragcache_backend.cache.kv_file import FORMAT, FileHeader, KVFileFormat, header_metadata, parse_tokens
 from ragcache_backend.errors import CorruptFileError, InvalidRequestError
 
@@ -59,7 +60,10 @@ class RemoteStats:
 @dataclass(slots=True)
 class _Put:
     name: str
-    data: bytes
+    header: FileHeader
+    k: torch.Tensor
+    v: torch.Tensor
+    nbytes: int
 
 
 class RemoteStore:
@@ -156,8 +160,9 @@ class RemoteStore:
     # ---- writes --------------------------------------------------------------------------------
     def put(self, pkey: str, parent: str, segment: str, k: torch.Tensor, v: torch.Tensor, tokens: tuple[int, ...],
             avg_cost: float = 0.0) -> bool:
-        """Queue an entry (``k``, ``v``: ``[layers, tokens, kv_heads, head_dim]`` CPU tensors the caller
-        no longer changes); False when skipped (Redis known down, or the writer is behind).
+        """Queue an entry (``k``, ``v``: ``[layers, tokens, kv_heads, head_dim]`` CPU tensors, any
+        strides, that the caller no longer changes; the writer thread encodes them); False when
+        skipped (Redis known down, or the writer is behind).
 
         Raises:
             InvalidRequestError: tensors that do not fit the layout or dtype.
@@ -169,14 +174,14 @@ class RemoteStore:
         if not self._usable():
             self.stats.put_skipped += 1
             return False
-        data = self.format.encode(FileHeader(pkey, parent, segment, len(tokens), 1, avg_cost, tokens=tuple(tokens)),
-                                  k, v)
+        nbytes = k.nbytes + v.nbytes
         with self._lock:
-            if self._pending + len(data) > self.max_pending_bytes:
+            if self._pending + nbytes > self.max_pending_bytes:
                 self.stats.put_skipped += 1
                 return False
-            self._pending += len(data)
-        self._queue.put(_Put(self.name(pkey), data))
+            self._pending += nbytes
+        header = FileHeader(pkey, parent, segment, len(tokens), 1, avg_cost, tokens=tuple(tokens))
+        self._queue.put(_Put(self.name(pkey), header, k, v, nbytes))  # encoded by the writer, off the step
         return True
 
     def flush(self, timeout: float = 30.0) -> bool:
@@ -197,19 +202,22 @@ class RemoteStore:
 
     # ---- internals ---------------------------------------------------------------------------------
     def _write_loop(self) -> None:
+        lower_thread_priority()
         while (job := self._queue.get()) is not None:
             try:
                 if self._usable():
-                    self._redis.set(job.name, job.data, nx=True)
+                    self._redis.set(job.name, self.format.encode(job.header, job.k, job.v), nx=True)
                     self.stats.puts += 1
                 else:
                     self.stats.put_skipped += 1
             except self._errors as exc:
                 self._failed("set", exc)
                 self.stats.put_skipped += 1
+            except Exception:  # a bug must not kill the writer: log it, drop the entry
+                log.exception("remote tier: writing %s failed", job.name)
             finally:
                 with self._lock:
-                    self._pending -= len(job.data)
+                    self._pending -= job.nbytes
 
     def _delete(self, pkey: str) -> None:
         try:

@@ -247,10 +247,14 @@ class ConnectorScheduler:
                 below = {k for k, e in self._host.items() if e.parent in gone} - gone
                 grew = bool(below)
                 gone |= below
-            for e in sorted((self._host[k] for k in gone), key=lambda e: -e.serial):
-                if e.children == 0:
-                    self._remove(e)
-                    self._drops.append(e.path_key)
+            while gone:
+                leaves = [k for k in gone if self._host[k].children == 0]
+                if not leaves:
+                    break
+                for k in leaves:
+                    self._remove(self._host[k])
+                    self._drops.append(k)
+                    gone.discard(k)
         for tracked in self._requests.values():
             for i, pkey in enumerate(tracked.keys[:tracked.saved_blocks]):
                 if pkey in failed:

@@ -181,9 +181,16 @@ class ConnectorWorker:
             return
         t0 = time.perf_counter()
         index = torch.tensor([s.block_id for s in plan.saves], dtype=torch.long, device=self._layers[0].device)
-        stacked = torch.stack([layer.index_select(0, index) for layer in self._layers]).cpu()
+        first = self._layers[0]
+        stacked = torch.empty((len(self._layers), len(index), *first.shape[1:]), dtype=first.dtype)
+        for i, layer in enumerate(self._layers):  # the one copy on the step's path
+            if layer.device.type == "cpu":
+                torch.index_select(layer, 0, index, out=stacked[i])
+            else:
+                stacked[i].copy_(layer.index_select(0, index))
+        shared = all(s.to_host for s in plan.saves)  # every block is kept: views of one buffer
         for j, s in enumerate(plan.saves):
-            block = stacked[:, j].clone()  # [layers, kv_heads, block_size, 2*head_size]
+            block = stacked[:, j] if shared else stacked[:, j].clone()  # [layers, kv_heads, block_size, 2*head_size]
             if s.to_host:
                 self._host[s.path_key] = (s.tokens, block)
                 self.counters.saved_host += 1
@@ -208,10 +215,11 @@ class ConnectorWorker:
 
 
 def _to_disk(block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[layers, kv_heads, bs, 2*hs]`` -> ``(k, v)`` ``[layers, bs, kv_heads, hs]`` (byte-exact halves)."""
+    """``[layers, kv_heads, bs, 2*hs]`` -> ``(k, v)`` ``[layers, bs, kv_heads, hs]`` (byte-exact halves),
+    as views: the disk and remote writers make them contiguous in their own threads."""
     layers, heads, bs, two_hs = block.shape
-    halves = block.contiguous().view(layers, heads, 2, bs, two_hs // 2)
-    return (halves[:, :, 0].permute(0, 2, 1, 3).contiguous(), halves[:, :, 1].permute(0, 2, 1, 3).contiguous())
+    halves = block.reshape(layers, heads, 2, bs, two_hs // 2)  # a view: each head's block is contiguous
+    return halves[:, :, 0].permute(0, 2, 1, 3), halves[:, :, 1].permute(0, 2, 1, 3)
 
 
 def _from_disk(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
