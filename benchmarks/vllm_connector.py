@@ -1,0 +1,227 @@
+"""vLLM with and without ragcache as its KV cache (issue 21): `vllm serve` alone (automatic prefix
+caching) against `vllm serve` with ``RAGCacheConnector`` (our host and disk tiers under it), and
+vLLM's own CPU offloading connector at equal host memory, on a RAG trace over the Python docs whose
+working set is larger than vLLM's KV memory; the same after a restart.
+
+    .venv/bin/python benchmarks/vllm_connector.py --json out.json
+
+Trace: ``--requests`` context-first RAG chats (system prompt, then ``--k`` Python-docs passages and
+the question in one user message; Zipf document popularity, as ``prefix_reuse_vs_vllm.py``'s
+``rag`` trace), sent by vLLM's own client (``vllm bench serve --backend openai-chat``), one at a
+time, ``--max-tokens`` each, temperature 0.
+
+Systems (same weights ``benchmarks/models/smollm2-135m-bf16``, ``--dtype``, block size 32, KV
+memory ``--kv-bytes`` each):
+* ``vllm``: prefix caching only;
+* ``vllm+ragcache``: plus ``RAGCacheConnector`` with a host tier of ``--host-mib`` and a disk tier
+  (4 GiB, a fresh folder);
+* ``vllm+offloading``: plus vLLM's ``--kv-offloading-size`` (its ``OffloadingConnector``) at
+  ``--host-mib``; on vLLM's CPU build it refuses to start, and its error is reported.
+
+Passes, interleaved (both servers stay up, idle while the other runs): ``cold`` (empty caches),
+``warm`` (the same trace again), then each server is restarted and runs ``restart``. Per pass: mean,
+median and p99 TTFT, throughput, the cached-token fraction (``vllm:prompt_tokens_cached_total /
+vllm:prompt_tokens_total``), tokens vLLM took from the connector
+(``vllm:external_prefix_cache_hits_total``) and our per-tier counters (``vllm:ragcache_*``).
+Targets (issue 21): mean TTFT with ours <= 0.6x vLLM alone and <= 0.85x vLLM's own offloading;
+after a restart >= 90% of the warm hit rate; miss overhead <= 3% (TTFT of the cold pass's requests
+whose document list is new, ours / alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmark_report import write_report  # benchmarks/ is on sys.path when a script runs
+from prefix_reuse_vs_vllm import (MiB, SERVED, Server, clean_env, cpu_info, failure, log_tail, measure, rag_trace,
+                                  versions, write_jsonl)
+from serve_load import ROOT, VLLM_MODEL, VLLM_PY, free_port, metrics_values
+
+SYSTEMS = ("vllm", "vllm+ragcache", "vllm+offloading")
+
+
+def start(system: str, args, out_dir: Path, kv_dir: Path) -> Server:
+    import os
+
+    threads = os.cpu_count() or 1
+    env = clean_env(PYTHONPATH=str(ROOT) if system == "vllm+ragcache" else "", VLLM_SERVER_DEV_MODE="1",
+                    OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
+                    VLLM_CPU_NUM_OF_RESERVED_CPU="0", RAGCACHE_HOME=str(out_dir / "ragcache-home"))
+    cmd = [str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(free_port()),
+           "--model", str(VLLM_MODEL), "--served-model-name", SERVED, "--dtype", args.dtype, "--block-size", "32",
+           "--enable-prefix-caching", "--kv-cache-memory-bytes", str(args.kv_bytes), "--max-model-len", "4096"]
+    if system == "vllm+ragcache":
+        cmd += ["--kv-transfer-config", json.dumps({
+            "kv_connector": "RAGCacheConnector", "kv_connector_module_path": "ragcache_integrations.vllm",
+            "kv_role": "kv_both", "kv_connector_extra_config": {"host_mib": args.host_mib, "cache_dir": str(kv_dir),
+                                                                 "disk_budget_mib": 4096}})]
+    elif system == "vllm+offloading":
+        cmd += ["--kv-offloading-size", str(args.host_mib / 1024)]
+    log = out_dir / f"{system.replace('+', '-')}-serve.log"
+    return Server("vllm", cmd, env, log, 900)
+
+
+def tier_counters(base: str) -> dict[str, float]:
+    m = metrics_values(base)
+    out = {k.split("{")[0].removeprefix("vllm:"): 0.0 for k in m if k.startswith("vllm:ragcache_")}
+    for k, v in m.items():
+        name = k.split("{")[0]
+        if name.startswith("vllm:ragcache_"):
+            out[name.removeprefix("vllm:")] += v
+    out["external_hits"] = sum(v for k, v in m.items() if k.split("{")[0] == "vllm:external_prefix_cache_hits_total")
+    return out
+
+
+def run_pass(server: Server, label: str, spec: dict, args, out_dir: Path) -> dict:
+    pass_dir = out_dir / label
+    pass_dir.mkdir(parents=True, exist_ok=True)
+    before = tier_counters(server.base)
+    row = measure(server, "rag", spec, args, pass_dir)
+    after = tier_counters(server.base)
+    row["connector"] = {k: after[k] - before.get(k, 0.0) for k in after if after[k] - before.get(k, 0.0)}
+    row["startup_s"] = server.startup_s
+    return row
+
+
+def short(row: dict) -> str:
+    if "error" in row:
+        return f"error: {row['error'][:160]}"
+    return (f"mean TTFT {row['mean_ttft_ms']:.1f} ms, p99 {row['p99_ttft_ms']:.1f}, cached {row['cached_fraction']:.3f}, "
+            f"{row['completed']} ok / {row['failed']} failed")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=96)
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--dtype", default="auto", choices=["float32", "bfloat16", "auto"])
+    ap.add_argument("--kv-bytes", type=int, default=128 * MiB, help="vLLM's KV memory in every system, bytes")
+    ap.add_argument("--host-mib", type=int, default=1024, help="host memory of the connectors, MiB")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out-dir", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    # what measure() / run_client() read
+    args.max_concurrency, args.request_rate, args.client_timeout = 1, "inf", 3600
+    cpu = cpu_info()
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if cpu["avx512_bf16"] else "float32"
+    out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="vllm-connector-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    kv_dir = out_dir / "ragcache-kv"
+    shutil.rmtree(kv_dir, ignore_errors=True)
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    print(f"outputs in {out_dir}", file=sys.stderr, flush=True)
+
+    from ragcache_backend.bench.workload import question_pool
+    from ragcache_integrations import default_store
+
+    store = default_store()
+    pool = question_pool(store, k=args.k, faq=True, mmlu=0, seed=args.seed)
+    rows, meta = rag_trace(store, pool, args.requests, args.seed)
+    path = out_dir / "rag.jsonl"
+    digest = write_jsonl(path, rows)
+    spec = {"path": path, "num": len(rows), "meta": meta}
+
+    systems = [s for s in args.systems.split(",") if s]
+    runs: dict[str, dict] = {s: {"passes": {}} for s in systems}
+    servers: dict[str, Server] = {}
+    for system in systems:
+        try:
+            servers[system] = start(system, args, out_dir, kv_dir)
+            runs[system]["command"] = " ".join(servers[system].cmd)
+        except Exception as exc:  # reported, never hidden, with the worker's own exception when there is one
+            log = out_dir / f"{system.replace('+', '-')}-serve.log"
+            cause = [line.split("] ", 1)[-1] for line in log_tail(log, 200_000).splitlines() if "Exception: " in line]
+            runs[system]["error"] = failure(exc, log_tail(log))["error"] + (f" [worker: {cause[0]}]" if cause else "")
+            print(f"[{system}] did not start: {runs[system]['error'][:300]}", file=sys.stderr, flush=True)
+    for label in ("cold", "warm", "restart"):
+        if label == "restart":
+            for system in list(servers):
+                servers[system].stop()
+                try:
+                    servers[system] = start(system, args, out_dir, kv_dir)
+                except Exception as exc:
+                    runs[system]["passes"]["restart"] = failure(exc, "")
+                    del servers[system]
+        for system, server in servers.items():
+            try:
+                row = run_pass(server, f"{system.replace('+', '-')}-{label}", spec, args, out_dir)
+            except Exception as exc:
+                row = failure(exc, server.log_tail())
+            runs[system]["passes"][label] = row
+            print(f"[{system}] {label}: {short(row)}", file=sys.stderr, flush=True)
+    for server in servers.values():
+        server.stop()
+
+    report = {"benchmark": "vllm_connector", "date": started, "command": " ".join([Path(sys.executable).name, *sys.argv]),
+              "cpu": cpu, "versions": versions(), "out_dir": str(out_dir),
+              "config": {"dtype": args.dtype, "kv_bytes": args.kv_bytes, "host_mib": args.host_mib, "block_size": 32,
+                         "max_tokens": args.max_tokens, "requests": len(rows), "k": args.k, "seed": args.seed},
+              "dataset": {"path": str(path), "sha256_16": digest, **{k: v for k, v in meta.items()
+                                                                      if not k.endswith("_of_request")}},
+              "runs": runs}
+    report["comparison"] = compare(runs)
+    write_report(report, args.json, echo=args.json is None)
+    print_table(report)
+
+
+def compare(runs: dict) -> dict:
+    ours, alone = runs.get("vllm+ragcache", {}).get("passes", {}), runs.get("vllm", {}).get("passes", {})
+    out: dict = {}
+    for label in ("cold", "warm", "restart"):
+        a, b = ours.get(label, {}), alone.get(label, {})
+        if a.get("mean_ttft_ms") and b.get("mean_ttft_ms"):
+            out[f"{label}_mean_ttft_ratio"] = a["mean_ttft_ms"] / b["mean_ttft_ms"]
+            out[f"{label}_p99_ttft_ratio"] = a["p99_ttft_ms"] / b["p99_ttft_ms"]
+    warm, restart = ours.get("warm", {}), ours.get("restart", {})
+    if warm.get("cached_fraction") and restart.get("cached_fraction") is not None:
+        out["restart_over_warm_hit_rate"] = restart["cached_fraction"] / warm["cached_fraction"]
+    a, b = ours.get("cold", {}), alone.get("cold", {})
+    if a.get("mean_ttft_ms_documents_first_seen") and b.get("mean_ttft_ms_documents_first_seen"):
+        out["miss_overhead"] = a["mean_ttft_ms_documents_first_seen"] / b["mean_ttft_ms_documents_first_seen"] - 1
+    out["targets"] = {"warm_mean_ttft_vs_alone": "<= 0.6", "vs_offloading": "<= 0.85",
+                      "restart_over_warm_hit_rate": ">= 0.9", "miss_overhead": "<= 0.03"}
+    return out
+
+
+def print_table(report: dict) -> None:
+    cpu, cfg = report["cpu"], report["config"]
+    print(f"\nvLLM with and without RAGCacheConnector | {report['date']} | {cpu['model']}, {cpu['cpus']} CPUs, "
+          f"AVX512-BF16 {'yes' if cpu['avx512_bf16'] else 'no'} | dtype {cfg['dtype']} | vLLM KV {cfg['kv_bytes'] / MiB:.0f} MiB "
+          f"each, connector host {cfg['host_mib']} MiB (+ disk 4 GiB for ours) | {cfg['requests']} RAG requests, "
+          f"k={cfg['k']}, max_tokens {cfg['max_tokens']} | vLLM {report['versions'].get('vllm')} | ragcache "
+          f"{report['versions'].get('ragcache_commit')}")
+    print(f"command: {report['command']}\n")
+    print(f"{'system':18} {'pass':8} {'mean TTFT':>10} {'p50':>8} {'p99':>8} {'req/s':>7} {'cached':>7} {'ext. hits':>9}  tiers")
+    for system, run in report["runs"].items():
+        if "error" in run:
+            print(f"{system:18} error: {run['error'][:300]}")
+            continue
+        for label, row in run["passes"].items():
+            if "error" in row:
+                print(f"{system:18} {label:8} error: {row['error'][:200]}")
+                continue
+            c = row.get("connector", {})
+            tiers = (f"host {c.get('ragcache_hit_tokens_host_total', 0):.0f} / disk {c.get('ragcache_hit_tokens_disk_total', 0):.0f}"
+                     f" / remote {c.get('ragcache_hit_tokens_remote_total', 0):.0f} tokens, failed "
+                     f"{c.get('ragcache_failed_total', 0):.0f}" if system == "vllm+ragcache" else "")
+            print(f"{system:18} {label:8} {row['mean_ttft_ms']:10.1f} {row['median_ttft_ms']:8.1f} {row['p99_ttft_ms']:8.1f} "
+                  f"{row['request_throughput']:7.2f} {row['cached_fraction']:7.3f} {c.get('external_hits', 0):9.0f}  {tiers}")
+    print()
+    for k, v in report["comparison"].items():
+        if k != "targets":
+            print(f"{k:34} {v:.3f}")
+    print("targets:", report["comparison"]["targets"])
+
+
+if __name__ == "__main__":
+    main()
