@@ -441,6 +441,8 @@ def serve(
                                              help="disk KV tier folder (default: $RAGCACHE_HOME/kv)"),
     disk_cache: Optional[bool] = typer.Option(None, "--disk-cache/--no-disk-cache", help="disk KV tier on or off (default on)"),
     disk_budget_mib: Optional[int] = typer.Option(None, "--disk-budget-mib", min=0, help="disk tier budget, MiB (default 4096)"),
+    remote_url: Optional[str] = typer.Option(None, "--remote-url",
+                                             help="remote KV tier shared by replicas: redis://host:port/db (default off)"),
     max_batch_size: Optional[int] = typer.Option(None, "--max-batch-size", min=1, help="sequences per forward step (default 8)"),
     max_queue: Optional[int] = typer.Option(None, "--max-queue", min=0,
                                             help="requests that may wait beyond a full batch; more get 503 (default 64)"),
@@ -479,7 +481,7 @@ def serve(
         settings = load_settings(
             config_file, host=host, port=port, model=model, dtype=dtype, threads=threads, policy=policy, reuse=reuse,
             device_mib=device_mib, host_mib=host_mib, cache_dir=cache_dir, disk_cache=disk_cache,
-            disk_budget_mib=disk_budget_mib, max_batch_size=max_batch_size, max_queue=max_queue,
+            disk_budget_mib=disk_budget_mib, remote_url=remote_url, max_batch_size=max_batch_size, max_queue=max_queue,
             served_model_name=served_model_name, default_max_tokens=default_max_tokens, drain_timeout=drain_timeout,
             log_level=log_level, api_key=api_key, index=index, learned_documents=learned_documents,
             remember_documents=remember_documents,

@@ -60,6 +60,7 @@ class EngineConfig(BaseModel):
     chunk_max_variants: int = Field(1024, ge=1, description="N x M: cached variants kept in total (lowest f_r evicted)")
     disk_dir: Path | None = Field(None, description="disk tier: a folder of checksummed safetensors KV files that survives restarts (one subfolder per model fingerprint and format version); None disables the tier")
     disk_budget_bytes: int = Field(4096 * MiB, ge=0, description="disk tier budget, bytes (files over it are evicted by the policy, leaves first)")
+    remote_url: str | None = Field(None, description="remote tier: a Redis shared by replicas (redis://host:port/db) below the disk tier; None disables it")
     chunk_stat_layers: int = Field(6, ge=1, description="layers (evenly spaced) whose attention statistics are recorded for a new variant")
 
     def recompute_rule(self):

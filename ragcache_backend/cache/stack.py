@@ -15,6 +15,9 @@ decides what eviction *means* across them:
 * **The disk tier** below: nodes inserted by a commit are queued for it (with their missing
   ancestors) off the critical path, and a prefix match that runs past what memory holds
   continues there, reading files back into the host tier.
+* **The remote tier** below that (Redis shared by replicas, when attached): the same nodes are
+  sent to it once, and a match that runs past the disk tier continues there (entries with their
+  token ids only; read back into the host tier; counted as disk hits, and as ``remote_hits``).
 * **Replicas** (RAGCache §6): nodes at the top of the tree (the system prompt) get a host copy
   when inserted, so a device failure loses no hot prefix and their later eviction costs no copy.
 
@@ -34,6 +37,7 @@ from ragcache_backend.cache.device import DeviceTier
 from ragcache_backend.cache.disk import DiskEntry
 from ragcache_backend.cache.disk_tier import DiskTier
 from ragcache_backend.cache.host import HostTier
+from ragcache_backend.cache.remote_tier import RemoteTier
 from ragcache_backend.cache.knowledge_tree import KnowledgeTree, Node, SegmentKey, TierName, path_key
 from ragcache_backend.cache.tier import NodeLocks
 from ragcache_backend.errors import InvalidRequestError
@@ -60,6 +64,8 @@ class CacheStats:
     variant_evictions: int = 0  # variants dropped by the per-chunk or total cap (lowest f_r)
     disk_hits: int = 0  # nodes read back from the disk tier (then served as host hits are)
     disk_queued: int = 0  # nodes handed to the disk tier's writer
+    remote_hits: int = 0  # nodes read back from the remote tier (counted in disk_hits too: below memory)
+    remote_queued: int = 0  # nodes handed to the remote tier's writer
     host_replicas: int = 0  # upper nodes given a host copy at insertion (fault tolerance, RAGCache §6)
 
 
@@ -81,6 +87,7 @@ class TierStack:
         self.locks = locks
         self.stats = stats
         self.disk: DiskTier | None = None
+        self.remote: RemoteTier | None = None
         #: nodes at this depth or above (1 = the system-prompt level) get a host copy when inserted
         self.replica_depth = 1
         self._to_persist: list[Node] = []  # exact nodes inserted since the last persist_pending
@@ -249,8 +256,9 @@ class TierStack:
         Stops at the first key not on disk, a file whose recorded tokens differ from ``tokens``
         (per key; empty: not compared), a file that fails verification (deleted, to be
         recomputed), or a host tier with no room."""
-        disk = self.disk
-        if disk is None or len(nodes) >= len(keys) or any(n.approximate for n in nodes) or not self.host.enabled:
+        disk, remote = self.disk, self.remote
+        if ((disk is None and remote is None) or len(nodes) >= len(keys) or any(n.approximate for n in nodes)
+                or not self.host.enabled):
             return []
         for n in nodes:
             self.lock(n)  # room made in host below must not evict the path being extended
@@ -259,23 +267,55 @@ class TierStack:
             parent = nodes[-1] if nodes else self.tree.root
             for i in range(len(nodes), len(keys)):
                 key, want = keys[i], tuple(tokens[i]) if i < len(tokens) else ()
-                entry = disk.lookup(path_key(parent.path_key, key))
-                if entry is None or key in parent.children or (want and entry.tokens != want):
+                if key in parent.children:
                     break
-                if not self.make_host_room(self.host.nbytes(entry.num_tokens)):
-                    break
-                node = self.tree.add_child(parent, key, entry.num_tokens, entry.tokens)
-                if not self._fill_from_disk(node, entry):
+                pkey = path_key(parent.path_key, key)
+                entry = disk.lookup(pkey) if disk is not None else None
+                if entry is not None and (not want or entry.tokens == want):
+                    if not self.make_host_room(self.host.nbytes(entry.num_tokens)):
+                        break
+                    node = self.tree.add_child(parent, key, entry.num_tokens, entry.tokens)
+                    if not self._fill_from_disk(node, entry):
+                        break
+                    restore(node, entry.variant)
+                elif remote is not None and want:  # an entry is never served without its token ids
+                    node = self._read_remote(parent, key, pkey, want)
+                    if node is None:
+                        break
+                else:
                     break
                 self.lock(node)
                 loaded.append(node)
-                restore(node, entry.variant)
                 parent = node
         finally:
             for n in list(nodes) + loaded:
                 self.unlock(n)
         self.stats.disk_hits += len(loaded)
         return loaded
+
+    def _read_remote(self, parent: Node, key: SegmentKey, pkey: str, tokens: tuple[int, ...]) -> Node | None:
+        """A new host node for ``key`` under ``parent`` from the remote tier, or None (absent,
+        damaged, Redis down, or no host room)."""
+        kv = self.remote.read(pkey, tokens)
+        if kv is None:
+            return None
+        if not self.make_host_room(self.host.nbytes(len(tokens))):
+            self.device.mover.free_host(kv)
+            return None
+        node = self.tree.add_child(parent, key, len(tokens), tokens)
+        try:
+            node.num_computed = 1
+            if not self.host.put(node, kv):
+                raise AssertionError(f"host room was made for {node!r} but it does not fit")
+        except BaseException:
+            if node.host_kv is None:
+                self.device.mover.free_host(kv)
+            if self.tree.contains(node):
+                self.tree.remove(node)
+            self.host.drop(node)
+            raise
+        self.stats.remote_hits += 1
+        return node
 
     def _fill_from_disk(self, node: Node, entry: DiskEntry) -> bool:
         """Give a new, empty ``node`` its KV from the disk tier as a host copy (with the file's
@@ -302,7 +342,7 @@ class TierStack:
     def after_insert(self, node: Node, depth: int) -> None:
         """A commit inserted ``node`` at ``depth`` (1 = a child of the root): queue it for the disk
         tier; an upper node also gets a host copy now (RAGCache §6 replica)."""
-        if self.disk is not None and not node.approximate:
+        if (self.disk is not None or self.remote is not None) and not node.approximate:
             self._to_persist.append(node)
         if depth <= self.replica_depth and not node.in_host and self.host.enabled and node.lock_ref:
             if self.swap_out(node):
@@ -312,8 +352,8 @@ class TierStack:
         """Hand nodes inserted since the last call to the disk tier (their missing ancestors first),
         copying device-only KV to host memory for it; at most ``max_bytes`` of KV are copied per
         call (the rest waits). Returns the nodes queued."""
-        disk = self.disk
-        if disk is None or not self._to_persist:
+        disk, remote = self.disk, self.remote
+        if (disk is None and remote is None) or not self._to_persist:
             return 0
         todo, self._to_persist = self._to_persist, []
         queued = copied = 0
@@ -323,27 +363,32 @@ class TierStack:
                 break
             if node.parent is None or not node.resident or node.approximate:
                 continue  # evicted meanwhile, or removed
+            disk_ok = disk is not None  # False once a disk write is skipped: descendants would be orphans
             for n in KnowledgeTree.path_to(node):
-                if disk.contains(n):
+                to_disk = disk_ok and not disk.contains(n)
+                to_remote = remote is not None and len(n.tokens) == n.num_tokens and not remote.sent(n)
+                if not (to_disk or to_remote):
                     continue
                 if not n.resident:
                     break
-                if n.in_host:
-                    queued_ok = disk.put(n, self.host.get(n))
-                else:
-                    kv = self.device.get(n)  # a temporary host copy: the writer keeps its tensors
-                    copied += self.host.nbytes(n.num_tokens)
-                    try:
-                        queued_ok = disk.put(n, kv)
-                    finally:
-                        self.device.mover.free_host(kv)
-                if not queued_ok:
-                    break  # skipped (writer behind, or too large): its descendants would be orphans
-                queued += 1
+                kv = self.host.get(n) if n.in_host else self.device.get(n)  # device: a temporary host copy
+                try:
+                    if to_disk:
+                        disk_ok = disk.put(n, kv)
+                        queued += disk_ok
+                    if to_remote and remote.put(n, kv):
+                        self.stats.remote_queued += 1
+                finally:
+                    if not n.in_host:
+                        copied += self.host.nbytes(n.num_tokens)
+                        self.device.mover.free_host(kv)  # the writers keep its tensors
         self.stats.disk_queued += queued
         return queued
 
     def close_disk(self, timeout: float | None = 30.0) -> None:
-        """Finish the disk tier's queued writes (up to ``timeout`` seconds) and stop its writer."""
+        """Finish the disk and remote tiers' queued writes (up to ``timeout`` seconds each) and stop
+        their writers."""
         if self.disk is not None:
             self.disk.close(timeout)
+        if self.remote is not None:
+            self.remote.close(10.0 if timeout is None else timeout)

@@ -34,6 +34,8 @@ from ragcache_backend.cache.chunk_reuse import RecomputeRule, VariantInfo, Varia
 from ragcache_backend.cache.device import DeviceTier
 from ragcache_backend.cache.disk import DiskStore
 from ragcache_backend.cache.disk_tier import DiskTier
+from ragcache_backend.cache.remote import RemoteStore
+from ragcache_backend.cache.remote_tier import RemoteTier
 from ragcache_backend.cache.host import HostTier
 from ragcache_backend.cache.invariants import check_invariants
 from ragcache_backend.cache.knowledge_tree import KnowledgeTree, Node, SegmentKey, TierName, approximate_key, path_key
@@ -415,8 +417,19 @@ class TieredCache:
         continues on disk (files read into the host tier, then swapped in as host hits are)."""
         self._stack.disk = DiskTier(disk, self._mover, keep_variant=self._variants.serves)
 
+    def attach_remote(self, store: RemoteStore) -> None:
+        """Use ``store`` (Redis shared by replicas) as the tier below the disk tier: exact nodes are
+        sent to it once after they are inserted, and a prefix match that runs past memory and disk
+        continues there (entries read into the host tier, token ids and checksum verified)."""
+        self._stack.remote = RemoteTier(store, self._mover)
+
+    @property
+    def remote(self) -> RemoteStore | None:
+        """The remote tier's store, if attached."""
+        return self._stack.remote.store if self._stack.remote is not None else None
+
     def close_disk(self, timeout: float | None = 30.0) -> None:
-        """Finish the disk tier's queued writes (up to ``timeout`` seconds) and stop its writer."""
+        """Finish the disk and remote tiers' queued writes (up to ``timeout`` seconds) and stop their writers."""
         self._stack.close_disk(timeout)
 
     def persist_pending(self, max_bytes: int = 64 << 20) -> int:
@@ -446,16 +459,22 @@ class TieredCache:
         nodes = self.match(keys, approximate=approximate, tokens=tokens).nodes
         if len(nodes) == len(keys):
             return True
-        disk = self._stack.disk
-        if disk is None or not self._stack.host.enabled or any(n.approximate for n in nodes):
+        disk, remote = self._stack.disk, self._stack.remote
+        if (disk is None and remote is None) or not self._stack.host.enabled or any(n.approximate for n in nodes):
             return False
         parent = nodes[-1].path_key if nodes else ""
+        rest: list[str] = []
         for i in range(len(nodes), len(keys)):
-            entry = disk.lookup(path_key(parent, keys[i]))
-            if entry is None or (i < len(tokens) and tokens[i] and entry.tokens != tuple(tokens[i])):
+            pkey = path_key(parent, keys[i])
+            entry = disk.lookup(pkey) if disk is not None and not rest else None
+            if entry is None:
+                if remote is None or not (i < len(tokens) and tokens[i]):
+                    return False
+                rest.append(pkey)  # asked of the remote tier below, in one round trip
+            elif i < len(tokens) and tokens[i] and entry.tokens != tuple(tokens[i]):
                 return False
-            parent = entry.path_key
-        return True
+            parent = pkey
+        return all(remote.holds(rest)) if rest else True
 
     # ----------------------------------------------------------------- lower-level calls
     def match(self, keys: Sequence[SegmentKey], *, approximate: bool = False,

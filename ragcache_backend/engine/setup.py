@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ragcache_backend.cache.disk import DiskStore
+from ragcache_backend.cache.remote import RemoteStore
 from ragcache_backend.cache.profile import DEFAULT_ALPHAS, DEFAULT_BETAS, PrefillProfile, measure_profile
 from ragcache_backend.cache.tiers import TieredCache
 from ragcache_backend.config import EngineConfig, ragcache_home
@@ -84,6 +85,8 @@ def build_parts(config: EngineConfig, *, loaded: LoadedModel | None = None, prof
     if cfg.disk_dir is not None and cfg.enable_cache and cfg.disk_budget_bytes > 0:
         cache.attach_disk(DiskStore(cfg.disk_dir, loaded.fingerprint, runner.kv_layout, loaded.dtype,
                                     cfg.disk_budget_bytes, policy=cache.policy_name))
+    if cfg.remote_url and cfg.enable_cache:
+        cache.attach_remote(RemoteStore(cfg.remote_url, loaded.fingerprint, runner.kv_layout, loaded.dtype))
     cache.configure_variants(fingerprint=f"{loaded.fingerprint}/{loaded.dtype}",
                              per_chunk=cfg.chunk_variants_per_chunk, total=cfg.chunk_max_variants)
     runner.sample_stat_layers(cfg.chunk_stat_layers)

@@ -3,7 +3,7 @@
 Per request (updated as requests finish): requests by endpoint and status, time to first token and
 end-to-end latency histograms, prompt tokens cached / computed / recomputed, generated tokens.
 Read from the engine at scrape time (:class:`EngineCollector`): hits, bytes and evictions per tier
-(device, host, disk), swap-outs, queue length, running batch size, requests in flight, engine
+(device, host, disk, remote), swap-outs, queue length, running batch size, requests in flight, engine
 outcomes. The disk tier's figures read as 0 until the engine has one.
 """
 
@@ -51,8 +51,10 @@ class EngineCollector(Collector):
 
         hits = CounterMetricFamily("ragcache_cache_hits", "Reused cache nodes by the tier they were found in",
                                    labels=["tier"])
-        for tier in ("device", "host", "disk"):
+        for tier in ("device", "host"):
             hits.add_metric([tier], stat(f"{tier}_hits"))
+        hits.add_metric(["disk"], stat("disk_hits") - stat("remote_hits"))  # disk_hits counts every node read below memory
+        hits.add_metric(["remote"], stat("remote_hits"))
         yield hits
         used = GaugeMetricFamily("ragcache_cache_bytes", "KV bytes held per tier", labels=["tier"])
         used.add_metric(["device"], float(cache.device_used_blocks * engine.runner.block_bytes))
@@ -86,6 +88,18 @@ class EngineCollector(Collector):
                                   value=dstat("corrupt"))
         yield GaugeMetricFamily("ragcache_cache_disk_files", "Files in the disk tier",
                                 value=float(len(disk) if disk is not None else 0))
+        remote = getattr(cache, "remote", None)
+        remote_stats = remote.stats if remote is not None else None
+
+        def rstat(name: str) -> float:
+            return float(getattr(remote_stats, name, 0) or 0)
+
+        yield CounterMetricFamily("ragcache_cache_remote_writes", "Entries sent to the remote tier (Redis)",
+                                  value=rstat("puts"))
+        yield CounterMetricFamily("ragcache_cache_remote_errors", "Remote-tier calls that failed (Redis down or "
+                                  "slow): served by recomputation", value=rstat("errors"))
+        yield CounterMetricFamily("ragcache_cache_remote_corrupt", "Remote-tier entries found damaged or foreign, "
+                                  "deleted", value=rstat("corrupt"))
         yield CounterMetricFamily("ragcache_engine_retries", "Requests retried by recomputation after a failure "
                                   "before their first token", value=float(engine.stats.retried))
         yield CounterMetricFamily("ragcache_cache_chunk_hits", "Documents served from chunk-cache variants",

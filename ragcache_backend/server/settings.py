@@ -49,6 +49,8 @@ class ServerSettings(BaseSettings):
     cache_dir: Path | None = Field(None, description="disk tier folder; None = ragcache_home()/kv")
     disk_cache: bool = Field(True, description="False disables the disk tier")
     disk_budget_mib: int = Field(4096, ge=0, description="disk tier budget, MiB")
+    remote_url: str | None = Field(None, description="remote KV tier shared by replicas: a Redis URL "
+                                                     "(redis://host:port/db); None = off")
     reuse: Literal["exact", "chunk", "auto"] = Field("exact", description="default reuse mode of a request")
     max_batch_size: int = Field(8, ge=1, description="sequences in one forward step")
     max_queue: int = Field(64, ge=0, description="requests that may wait beyond a full batch; more get 503")
@@ -96,7 +98,7 @@ class ServerSettings(BaseSettings):
             return EngineConfig(
                 model=self.model, dtype=self.dtype, threads=self.threads, policy=self.policy, reuse=self.reuse,
                 device_budget_bytes=self.device_mib * MiB, host_budget_bytes=self.host_mib * MiB,
-                disk_dir=self.disk_dir, disk_budget_bytes=self.disk_budget_mib * MiB,
+                disk_dir=self.disk_dir, disk_budget_bytes=self.disk_budget_mib * MiB, remote_url=self.remote_url,
                 max_batch_size=self.max_batch_size,
             )
         except ValidationError as exc:

@@ -90,3 +90,16 @@ def test_unreachable_at_start_is_not_an_error() -> None:
     assert s.exists(["p"]) == [False]
     assert s.get("p", (1,)) is None
     s.close(timeout=1)
+
+
+def test_a_bad_url_is_a_clear_error_and_serve_settings_carry_the_url() -> None:
+    import pytest
+
+    from ragcache_backend.errors import InvalidRequestError
+    from ragcache_backend.server.settings import load_settings
+
+    with pytest.raises(InvalidRequestError, match="bad remote tier URL"):
+        store("http://127.0.0.1:6379/0")
+    settings = load_settings(None, remote_url="redis://10.0.0.5:6379/1")
+    assert settings.engine_config().remote_url == "redis://10.0.0.5:6379/1"
+    assert load_settings(None).engine_config().remote_url is None

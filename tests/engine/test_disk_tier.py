@@ -84,6 +84,7 @@ def test_a_repeat_after_restart_reports_disk_hits(tiny_model, fixed_profile, tmp
 def test_a_damaged_file_is_dropped_and_recomputed(tiny_model, fixed_profile, tmp_path, damage):
     with disk_engine(tiny_model, fixed_profile, tmp_path) as e:
         reference = e.generate(Q, DOCS, GREEDY)
+        written(e)
         doc_file = next(p for p in files(e) if p.stat().st_size > 20_000)
         victim_key = doc_file.name.split(".")[0]
     data = bytearray(doc_file.read_bytes())
