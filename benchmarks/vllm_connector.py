@@ -38,33 +38,32 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_client import Server, cpu_info, failure, log_tail, measure, start_vllm, versions
 from benchmark_report import write_report  # benchmarks/ is on sys.path when a script runs
-from prefix_reuse_vs_vllm import (MiB, SERVED, Server, clean_env, cpu_info, failure, log_tail, measure, rag_trace,
-                                  versions, write_jsonl)
-from serve_load import ROOT, VLLM_MODEL, VLLM_PY, free_port, metrics_values
+from chat_traces import rag_trace, write_jsonl
+from serve_load import ROOT, metrics_values
 
+MiB = 1 << 20
 SYSTEMS = ("vllm", "vllm+ragcache", "vllm+offloading")
 
 
-def start(system: str, args, out_dir: Path, kv_dir: Path) -> Server:
-    import os
+def log_name(system: str) -> str:
+    return f"{system.replace('+', '-')}-serve.log"
 
-    threads = os.cpu_count() or 1
-    env = clean_env(PYTHONPATH=str(ROOT) if system == "vllm+ragcache" else "", VLLM_SERVER_DEV_MODE="1",
-                    OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
-                    VLLM_CPU_NUM_OF_RESERVED_CPU="0", RAGCACHE_HOME=str(out_dir / "ragcache-home"))
-    cmd = [str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(free_port()),
-           "--model", str(VLLM_MODEL), "--served-model-name", SERVED, "--dtype", args.dtype, "--block-size", "32",
-           "--enable-prefix-caching", "--kv-cache-memory-bytes", str(args.kv_bytes), "--max-model-len", "4096"]
+
+def start(system: str, args, out_dir: Path, kv_dir: Path) -> Server:
+    """``vllm serve`` as ``system`` runs it (block size 32, ``args.kv_bytes`` of KV each)."""
+    extra: list[str] = []
+    env = {"RAGCACHE_HOME": str(out_dir / "ragcache-home")}
     if system == "vllm+ragcache":
-        cmd += ["--kv-transfer-config", json.dumps({
+        extra = ["--kv-transfer-config", json.dumps({
             "kv_connector": "RAGCacheConnector", "kv_connector_module_path": "ragcache_integrations.vllm",
             "kv_role": "kv_both", "kv_connector_extra_config": {"host_mib": args.host_mib, "cache_dir": str(kv_dir),
                                                                  "disk_budget_mib": 4096}})]
+        env["PYTHONPATH"] = str(ROOT)
     elif system == "vllm+offloading":
-        cmd += ["--kv-offloading-size", str(args.host_mib / 1024)]
-    log = out_dir / f"{system.replace('+', '-')}-serve.log"
-    return Server("vllm", cmd, env, log, 900)
+        extra = ["--kv-offloading-size", str(args.host_mib / 1024)]
+    return start_vllm(args, out_dir, extra=extra, env=env, log_name=log_name(system))
 
 
 def tier_counters(base: str) -> dict[str, float]:
@@ -109,8 +108,9 @@ def main() -> None:
     ap.add_argument("--out-dir", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    # what measure() / run_client() read
+    # what start_vllm() / measure() / run_client() read
     args.max_concurrency, args.request_rate, args.client_timeout = 1, "inf", 3600
+    args.vllm_block_size, args.vllm_prefix_match_unit = 32, 0
     cpu = cpu_info()
     if args.dtype == "auto":
         args.dtype = "bfloat16" if cpu["avx512_bf16"] else "float32"
@@ -139,7 +139,7 @@ def main() -> None:
             servers[system] = start(system, args, out_dir, kv_dir)
             runs[system]["command"] = " ".join(servers[system].cmd)
         except Exception as exc:  # reported, never hidden, with the worker's own exception when there is one
-            log = out_dir / f"{system.replace('+', '-')}-serve.log"
+            log = out_dir / log_name(system)
             cause = [line.split("] ", 1)[-1] for line in log_tail(log, 200_000).splitlines() if "Exception: " in line]
             runs[system]["error"] = failure(exc, log_tail(log))["error"] + (f" [worker: {cause[0]}]" if cause else "")
             print(f"[{system}] did not start: {runs[system]['error'][:300]}", file=sys.stderr, flush=True)
