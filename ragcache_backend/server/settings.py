@@ -20,7 +20,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from ragcache_backend.config import MiB, EngineConfig, default_disk_dir, ragcache_home
 from ragcache_backend.errors import InvalidRequestError
 
-__all__ = ["LOG_LEVELS", "ServerSettings", "default_learned_documents_file", "load_settings", "read_config_file"]
+__all__ = ["LOG_LEVELS", "CacheSettings", "ServerSettings", "default_learned_documents_file", "load_settings", "read_config_file"]
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -30,27 +30,44 @@ def default_learned_documents_file() -> Path:
     return ragcache_home() / "learned_documents.jsonl"
 
 
-class ServerSettings(BaseSettings):
-    """What ``ragcache serve`` runs: the engine's knobs and the HTTP server's.
+class CacheSettings(BaseSettings):
+    """The cache's tiers below the device and their policy: the settings ``ragcache serve`` and the
+    vLLM connector (:mod:`ragcache_integrations.vllm.settings`) share, by name, meaning and default.
 
-    Environment variables: ``RAGCACHE_`` + the field name in upper case (``RAGCACHE_PORT=9000``).
+    Environment variables: ``RAGCACHE_`` + the field name in upper case (``RAGCACHE_HOST_MIB=4096``).
     """
 
     model_config = SettingsConfigDict(env_prefix="RAGCACHE_", extra="forbid", frozen=True)
 
-    host: str = Field("127.0.0.1", description="interface to listen on")
-    port: int = Field(8000, ge=1, le=65535, description="TCP port")
-    model: str | None = Field(None, description="GGUF file or HF folder; None = SmolLM2-135M-Instruct")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights and KV dtype")
-    threads: int | None = Field(None, ge=1, description="torch threads; None = torch's default")
     policy: Literal["pgdsf", "gdsf", "lru", "lfu"] = Field("pgdsf", description="cache replacement policy")
-    device_mib: int = Field(512, ge=1, description="device tier (KV arena) budget, MiB")
     host_mib: int = Field(2048, ge=0, description="host tier budget, MiB (0 disables it)")
     cache_dir: Path | None = Field(None, description="disk tier folder; None = ragcache_home()/kv")
     disk_cache: bool = Field(True, description="False disables the disk tier")
     disk_budget_mib: int = Field(4096, ge=0, description="disk tier budget, MiB")
     remote_url: str | None = Field(None, description="remote KV tier shared by replicas: a Redis URL "
                                                      "(redis://host:port/db); None = off")
+
+    @property
+    def disk_dir(self) -> Path | None:
+        """The disk tier's folder, or None when the tier is off."""
+        if not self.disk_cache:
+            return None
+        return (self.cache_dir or default_disk_dir()).expanduser()
+
+
+class ServerSettings(CacheSettings):
+    """What ``ragcache serve`` runs: the engine's knobs and the HTTP server's (the cache tiers' from
+    :class:`CacheSettings`).
+
+    Environment variables: ``RAGCACHE_`` + the field name in upper case (``RAGCACHE_PORT=9000``).
+    """
+
+    host: str = Field("127.0.0.1", description="interface to listen on")
+    port: int = Field(8000, ge=1, le=65535, description="TCP port")
+    model: str | None = Field(None, description="GGUF file or HF folder; None = SmolLM2-135M-Instruct")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights and KV dtype")
+    threads: int | None = Field(None, ge=1, description="torch threads; None = torch's default")
+    device_mib: int = Field(512, ge=1, description="device tier (KV arena) budget, MiB")
     reuse: Literal["exact", "chunk", "auto"] = Field("exact", description="default reuse mode of a request")
     max_batch_size: int = Field(8, ge=1, description="sequences in one forward step")
     max_queue: int = Field(64, ge=0, description="requests that may wait beyond a full batch; more get 503")
@@ -73,13 +90,6 @@ class ServerSettings(BaseSettings):
                                    file_secret_settings):
         """Flags (init arguments) over environment; no dotenv or secrets files."""
         return (init_settings, env_settings)
-
-    @property
-    def disk_dir(self) -> Path | None:
-        """The disk tier's folder, or None when the tier is off."""
-        if not self.disk_cache:
-            return None
-        return (self.cache_dir or default_disk_dir()).expanduser()
 
     @property
     def learned_documents_path(self) -> Path | None:

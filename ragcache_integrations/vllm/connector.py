@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,13 +37,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from ragcache_backend.cache.disk import store_folder
+from ragcache_backend.cache.disk import DiskStore, store_folder
 from ragcache_backend.cache.remote import RemoteStore
+from ragcache_backend.config import MiB
 from ragcache_integrations.vllm import SUPPORTED_VLLM
 from ragcache_integrations.vllm.plan import StepPlan
 from ragcache_integrations.vllm.scheduler import ConnectorScheduler, RequestView, ScheduledRequest
 from ragcache_integrations.vllm.settings import ConnectorSettings, settings_from_extra_config
-from ragcache_integrations.vllm.worker import ConnectorWorker, disk_layout, open_disk
+from ragcache_integrations.vllm.worker import ConnectorWorker, disk_layout
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.config import VllmConfig
@@ -188,12 +189,11 @@ class RAGCacheConnector(KVConnectorBase_V1):
         self.fingerprint = model_fingerprint(vllm_config, self.block_size)
         mc = vllm_config.model_config
         pc = vllm_config.parallel_config
-        self._num_layers = mc.get_num_layers(pc)
-        kv_heads, head_size = mc.get_num_kv_heads(pc), mc.get_head_size()
-        dtype = mc.dtype if vllm_config.cache_config.cache_dtype == "auto" else None
-        elem = torch.empty((), dtype=dtype).element_size() if dtype is not None else 1
-        self.block_bytes = 2 * kv_heads * head_size * self.block_size * elem * self._num_layers
-        disk_folder = store_folder(self.settings.disk_root(), self.fingerprint) if self.settings.disk_enabled else None
+        self._layout = (mc.get_num_layers(pc), mc.get_num_kv_heads(pc), mc.get_head_size())  # as the disk tier's
+        self._kv_dtype = mc.dtype if vllm_config.cache_config.cache_dtype == "auto" else torch.uint8
+        layers, kv_heads, head_size = self._layout
+        self.block_bytes = 2 * kv_heads * head_size * self.block_size * self._kv_dtype.itemsize * layers
+        disk_folder = store_folder(self.settings.disk_dir, self.fingerprint) if self.settings.disk_enabled else None
         self._sched: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
         self._remote: RemoteStore | None = None
@@ -218,11 +218,7 @@ class RAGCacheConnector(KVConnectorBase_V1):
     def _open_remote(self) -> RemoteStore | None:
         if not self.settings.remote_url:
             return None
-        mc = self._vllm_config.model_config
-        pc = self._vllm_config.parallel_config
-        layout = (self._num_layers, mc.get_num_kv_heads(pc), mc.get_head_size())
-        dtype = mc.dtype if self._vllm_config.cache_config.cache_dtype == "auto" else torch.uint8
-        return RemoteStore(self.settings.remote_url, self.fingerprint, layout, dtype)
+        return RemoteStore(self.settings.remote_url, self.fingerprint, self._layout, self._kv_dtype)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -233,9 +229,8 @@ class RAGCacheConnector(KVConnectorBase_V1):
         first = next(iter(kv_caches.values()))
         disk = None
         if self.settings.disk_enabled:
-            disk = open_disk(self.settings.disk_root(), self.fingerprint,
-                             disk_layout(tuple(first.shape[1:]), len(kv_caches)), first.dtype,
-                             self.settings.disk_budget_mib << 20, self.settings.policy)
+            disk = DiskStore(self.settings.disk_dir, self.fingerprint, disk_layout(tuple(first.shape[1:]), len(kv_caches)),
+                             first.dtype, self.settings.disk_budget_mib * MiB, policy=self.settings.policy)
         self._remote = self._open_remote()
         self._worker = ConnectorWorker(self.block_size, disk, self._remote)
         self._worker.register(kv_caches)
@@ -278,7 +273,7 @@ class RAGCacheConnector(KVConnectorBase_V1):
         part = self._sched if self._sched is not None else self._worker
         if part is None:
             return None
-        now = {k: v for k, v in vars_of(part.counters).items()}
+        now = asdict(part.counters)
         delta = {k: v - self._last.get(k, 0) for k, v in now.items()}
         self._last = now
         stats = RAGCacheConnectorStats(data={k: v for k, v in delta.items() if v})
@@ -331,11 +326,6 @@ class RAGCacheConnector(KVConnectorBase_V1):
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         return RAGCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-
-
-def vars_of(counters: Any) -> dict[str, float]:
-    """A counters dataclass as a dict (slotted dataclasses have no ``__dict__``)."""
-    return {name: getattr(counters, name) for name in counters.__slots__}
 
 
 def _view(request: Request) -> RequestView:

@@ -25,7 +25,6 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -232,9 +231,3 @@ def _from_disk(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 def disk_layout(block_shape: tuple[int, ...], num_layers: int) -> tuple[int, int, int]:
     """The disk tier's ``(layers, kv_heads, head_dim)`` for vLLM blocks ``[kv_heads, bs, 2*hs]``."""
     return (num_layers, int(block_shape[0]), int(block_shape[2]) // 2)
-
-
-def open_disk(root: Path, fingerprint: str, layout: tuple[int, int, int], dtype: torch.dtype, budget_bytes: int,
-              policy: str) -> DiskStore:
-    """The disk tier for the connector (a :class:`DiskStore` under ``root``)."""
-    return DiskStore(root, fingerprint, layout, dtype, budget_bytes, policy=policy)

@@ -206,7 +206,7 @@ def test_settings_take_serves_names_env_and_extra_config(monkeypatch, tmp_path) 
     monkeypatch.setenv("RAGCACHE_HOST_MIB", "64")
     monkeypatch.setenv("RAGCACHE_HOME", str(tmp_path))
     s = settings_from_extra_config({})
-    assert s.host_mib == 64 and s.disk_root() == tmp_path / "kv" and s.policy == "pgdsf" and s.disk_enabled
+    assert s.host_mib == 64 and s.disk_dir == tmp_path / "kv" and s.policy == "pgdsf" and s.disk_enabled
     s = settings_from_extra_config({"host_mib": 8, "disk_cache": False})
     assert s.host_bytes == 8 << 20 and not s.disk_enabled
     with pytest.raises(InvalidRequestError, match="host_mb"):
