@@ -3,7 +3,9 @@
 :class:`RAGCacheParams` is a pydantic mixin: ``ChatRAGCache(RAGCacheParams, BaseChatModel)``,
 ``RAGCacheLLM(RAGCacheParams, CustomLLM)``... It holds the standard sampling knobs, ``timeout``
 and ``max_retries``, and turns a segmented prompt plus per-call overrides into a
-:class:`~ragcache_integrations._runtime.Generation`.
+:class:`~ragcache_integrations._runtime.Generation`, or, given ``base_url``, chat turns or a
+text prompt into a :class:`~ragcache_integrations._server.ServerGeneration` sent to an
+OpenAI-compatible server (``ragcache serve``, or vLLM with our KV connector).
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+import os
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from ragcache_backend.engine.engine import RAGCacheEngine
 from ragcache_backend.errors import InvalidRequestError
@@ -20,6 +24,7 @@ from ragcache_backend.prompts.builder import Segment
 from ragcache_backend.prompts.recognition import ChatTurn, DocumentRecognizer, PromptSegmenter, SegmentedPrompt
 from ragcache_backend.model.sampling import SamplingParams
 from ragcache_integrations._runtime import Generation, default_engine, known_documents, segmenter
+from ragcache_integrations._server import ServerClient, ServerDocument, ServerError, ServerGeneration, server_client
 from ragcache_integrations._speculation import speculation_board
 
 __all__ = ["CALL_OVERRIDES", "CompletionParams", "RAGCacheParams"]
@@ -66,16 +71,62 @@ class RAGCacheParams(BaseModel):
         default=None, exclude=True,
         description="the known documents to recognise in prompts; None = the process-wide one, "
                     "which watches every store our retrievers and engines use")
+    base_url: str | None = Field(
+        default=None,
+        description="send generation to this OpenAI-compatible server instead of an embedded engine: "
+                    "ragcache serve (documents found in the prompt are sent with it) or vLLM with "
+                    "RAGCacheConnector, e.g. http://127.0.0.1:8000/v1; None = the embedded engine")
+    api_key: SecretStr | None = Field(
+        default=None, exclude=True,
+        description="the server's bearer key (base_url mode); None = $RAGCACHE_API_KEY, else none")
+
+    @model_validator(mode="after")
+    def _one_backend(self):
+        if self.base_url is not None and self.engine is not None:
+            raise ValueError("give either engine= (embedded) or base_url= (a server), not both")
+        return self
+
+    def server(self) -> ServerClient | None:
+        """The server generation goes to (``base_url``), or None for the embedded engine."""
+        if self.base_url is None:
+            return None
+        key = self.api_key.get_secret_value() if self.api_key else os.environ.get("RAGCACHE_API_KEY") or "EMPTY"
+        return server_client(self.base_url, key, max_retries=self.max_retries)
 
     def resolved_engine(self) -> RAGCacheEngine:
-        """The engine (the default one is built on first use)."""
+        """The engine (the default one is built on first use).
+
+        Raises InvalidRequestError in ``base_url`` mode (there is no local engine)."""
+        if self.base_url is not None:
+            raise InvalidRequestError(f"this adapter sends generation to {self.base_url}; it has no local engine")
         return self.engine if self.engine is not None else default_engine()
 
+    def target(self) -> RAGCacheEngine | ServerClient:
+        """Where requests run: the ``base_url`` server's client, else the engine (speculative
+        pipelining reads its pool: ``waiting_requests`` against ``max_prefill_bs``)."""
+        return self.server() or self.resolved_engine()
+
     def reported_model_name(self) -> str:
-        """``model_name``, else the engine's model name (without building the default engine)."""
+        """``model_name``, else the engine's model name (without building the default engine), or
+        in ``base_url`` mode the server's (asked once)."""
         if self.model_name:
             return self.model_name
+        server = self.server()
+        if server is not None:
+            return server.info().model
         return self.engine.model_name if self.engine is not None else DEFAULT_MODEL_NAME
+
+    def context_window(self) -> int:
+        """The model's context in tokens: the engine's, or the server's ``max_model_len``.
+
+        Raises ServerError when the server is unreachable or does not say."""
+        server = self.server()
+        if server is None:
+            return self.resolved_engine().loaded.context_window
+        window = server.info().context_window
+        if window is None:
+            raise ServerError(f"{self.base_url} does not give its context window (max_model_len)")
+        return window
 
     def prompt_segmenter(self, overrides: Mapping[str, Any] | None = None) -> PromptSegmenter:
         """Cuts prompts for the engine's tokenizer at the documents ``recognizer`` knows; in a chunk
@@ -94,13 +145,42 @@ class RAGCacheParams(BaseModel):
         this prompt with its candidates (:mod:`ragcache_integrations._speculation`).
         """
         over = dict(overrides or {})
-
-        def make(chat: Sequence[ChatTurn]) -> Generation:
-            return self.generation(self.prompt_segmenter(over).chat(chat).segments, stop, over)
+        if self.base_url is not None:
+            def make(chat: Sequence[ChatTurn]) -> Generation | ServerGeneration:
+                return self.server_generation(tuple(chat), "", stop, over)
+        else:
+            def make(chat: Sequence[ChatTurn]) -> Generation | ServerGeneration:
+                return self.generation(self.prompt_segmenter(over).chat(chat).segments, stop, over)
 
         generation = make(turns)
-        speculation_board().learn(turns, self.recognizer or known_documents(), make, generation.engine)
+        speculation_board().learn(turns, self.recognizer or known_documents(), make, generation.target)
         return generation
+
+    def server_generation(self, turns: Sequence[ChatTurn], prompt: str, stop: Sequence[str] | None = None,
+                          overrides: Mapping[str, Any] | None = None) -> ServerGeneration:
+        """A ready request for the ``base_url`` server: ``turns`` through its chat template, or
+        when there are none, ``prompt`` completed as raw text; the known documents inside are sent
+        along (to ``ragcache serve``).
+
+        Raises InvalidRequestError as :meth:`generation`, and for ``use_cache=False`` (a server
+        cannot be told to skip its cache per request).
+        """
+        server = self.server()
+        assert server is not None, "server_generation needs base_url"
+        over = dict(overrides or {})
+        sampling = self._sampling(stop, over)
+        if over.get("use_cache", self.use_cache) is False:
+            raise InvalidRequestError("use_cache=False needs the embedded engine; a server always uses its cache")
+        recognizer = self.recognizer or known_documents()
+        documents: dict[str, ServerDocument] = {}
+        for text in [t.content for t in turns] if turns else [prompt]:
+            for span in recognizer.find(text):
+                documents.setdefault(span.doc_id, ServerDocument(span.doc_id, text[span.start:span.end]))
+        reuse = over.get("reuse", self.reuse)
+        self._check_reuse(reuse)
+        return ServerGeneration(server, "chat" if turns else "completion", tuple(turns), prompt,
+                                tuple(documents.values()), sampling, reuse=reuse,
+                                timeout=over.get("timeout", self.timeout), max_retries=self.max_retries)
 
     def generation(self, segments: Sequence[Segment], stop: Sequence[str] | None = None,
                    overrides: Mapping[str, Any] | None = None) -> Generation:
@@ -109,27 +189,38 @@ class RAGCacheParams(BaseModel):
         Raises InvalidRequestError for an unknown override, or a ``model`` other than this one.
         """
         over = dict(overrides or {})
+        sampling = self._sampling(stop, over)
+        reuse = over.get("reuse", self.reuse)
+        self._check_reuse(reuse)
+        return Generation(self.resolved_engine(), tuple(segments), sampling,
+                          use_cache=over.get("use_cache", self.use_cache),
+                          timeout=over.get("timeout", self.timeout), max_retries=self.max_retries, reuse=reuse)
+
+
+    def _sampling(self, stop: Sequence[str] | None, over: Mapping[str, Any]) -> SamplingParams:
+        """Sampling from the instance's settings, ``stop`` and per-call ``over``-rides.
+
+        Raises InvalidRequestError for an unknown override, or a ``model`` other than this one.
+        """
         unknown = set(over) - CALL_OVERRIDES
         if unknown:
             raise InvalidRequestError(f"unsupported call arguments {sorted(unknown)}; "
                                       f"supported: {sorted(CALL_OVERRIDES)}")
-        model = over.pop("model", None)
+        model = over.get("model")
         if model is not None and model != self.reported_model_name():
             raise InvalidRequestError(f"this adapter serves {self.reported_model_name()!r}, not {model!r}")
-        stops = tuple(stop if stop is not None else self.stop or ())
-        sampling = SamplingParams(
+        return SamplingParams(
             max_tokens=over.get("max_tokens", self.max_tokens),
             temperature=over.get("temperature", self.temperature),
             top_p=over.get("top_p", self.top_p),
-            stop=stops,
+            stop=tuple(stop if stop is not None else self.stop or ()),
             seed=over.get("seed", self.seed),
         )
-        reuse = over.get("reuse", self.reuse)
+
+    @staticmethod
+    def _check_reuse(reuse: object) -> None:
         if reuse not in (None, "exact", "chunk", "auto"):
             raise InvalidRequestError(f"reuse must be 'exact', 'chunk' or 'auto', got {reuse!r}")
-        return Generation(self.resolved_engine(), tuple(segments), sampling,
-                          use_cache=over.get("use_cache", self.use_cache),
-                          timeout=over.get("timeout", self.timeout), max_retries=self.max_retries, reuse=reuse)
 
 
 class CompletionParams(RAGCacheParams):
@@ -144,3 +235,13 @@ class CompletionParams(RAGCacheParams):
         """A text prompt cut for the engine (wrapped in the chat template unless ``chat_template`` is off)."""
         cutter = self.prompt_segmenter(overrides)
         return cutter.chat([ChatTurn("user", prompt)]) if self.chat_template else cutter.raw(prompt)
+
+    def completion_generation(self, prompt: str, stop: Sequence[str] | None = None,
+                              overrides: Mapping[str, Any] | None = None) -> Generation | ServerGeneration:
+        """A ready request for a text prompt: on the embedded engine (:meth:`segment_completion`),
+        or on the ``base_url`` server (one user message through its chat template, or the raw
+        text to its completions endpoint when ``chat_template`` is off)."""
+        if self.base_url is not None:
+            turns = (ChatTurn("user", prompt),) if self.chat_template else ()
+            return self.server_generation(turns, prompt, stop, overrides)
+        return self.generation(self.segment_completion(prompt, overrides).segments, stop, overrides)

@@ -37,7 +37,7 @@ from ragcache_backend.model.sampling import SamplingParams
 from ragcache_integrations._speculation import speculation_board
 
 __all__ = ["GenerationTimeoutError", "TRANSIENT_ERRORS", "UnsupportedContentError", "Generation",
-           "default_engine", "default_store", "known_documents", "segmenter"]
+           "astream_taken", "default_engine", "default_store", "known_documents", "segmenter"]
 
 T = TypeVar("T")
 
@@ -147,6 +147,11 @@ class Generation:
     max_retries: int = 0
     reuse: str | None = None
 
+    @property
+    def target(self) -> RAGCacheEngine:
+        """Where the request runs (speculative pipelining reads its pool)."""
+        return self.engine
+
     def request_key(self) -> tuple:
         """What makes two generations the same request (engine, prompt tokens, sampling, cache
         settings): a speculative generation posted under this key answers exactly like this one."""
@@ -249,7 +254,7 @@ class Generation:
         """Async :meth:`stream`."""
         taken = self._posted()
         if taken is not None:
-            async for chunk in _astream_taken(taken):
+            async for chunk in astream_taken(taken):
                 yield chunk
             return
         async for attempt in AsyncRetrying(**self._retry_kwargs()):
@@ -278,7 +283,7 @@ class Generation:
         return chunk
 
 
-async def _astream_taken(taken: SpeculationOutcome) -> AsyncIterator[StreamChunk]:
+async def astream_taken(taken: SpeculationOutcome) -> AsyncIterator[StreamChunk]:
     """A posted speculative generation as an async stream of chunks (held text first)."""
     loop = asyncio.get_running_loop()
     out: asyncio.Queue = asyncio.Queue()

@@ -62,7 +62,8 @@ class PromptFrame:
         slots: where each document (in retrieval order) and the query sit in the turns.
         num_documents: how many documents the prompt held.
         make: turns -> the model adapter's ready generation (same settings as the learned call).
-        engine: the model's engine (its pool decides whether to speculate).
+        engine: where the model's requests run, an engine or a server client (its pool decides
+            whether to speculate: ``waiting_requests`` against ``max_prefill_bs``).
     """
 
     turns: tuple[ChatTurn, ...]
@@ -247,8 +248,8 @@ def speculative_retrieval(query: str, stages, key: Callable[[object], str], text
         made[tuple(key(d) for d in docs)] = generation
         return handle
 
-    engine = frame.engine
-    pipeline = SpeculativePipeline(engine, submit, key=key, max_prefill_bs=engine.config.max_prefill_bs)
+    target = frame.engine
+    pipeline = SpeculativePipeline(target, submit, key=key, max_prefill_bs=target.max_prefill_bs)
     outcome = pipeline.speculate(itertools.chain([first], stages))
     ids = [key(d) for d in outcome.documents]
     board.note_retrieval(query, ids)

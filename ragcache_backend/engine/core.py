@@ -482,6 +482,12 @@ class EngineCore:
         return self._waiting + self._queued
 
     @property
+    def max_prefill_bs(self) -> int:
+        """Speculation starts only while fewer than this many requests wait for prefill
+        (``config.max_prefill_bs``, RAGCache Algorithm 2)."""
+        return self.config.max_prefill_bs
+
+    @property
     def in_flight(self) -> int:
         """Requests submitted and not yet finished."""
         return len(self._live) + self._queued

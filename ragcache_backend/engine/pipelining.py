@@ -48,6 +48,9 @@ class SpeculativeTarget(Protocol):
     @property
     def waiting_requests(self) -> int: ...
 
+    @property
+    def max_prefill_bs(self) -> int: ...
+
 
 class OutputGate:
     """Holds a generation's text deltas until :meth:`open`; then passes them through.

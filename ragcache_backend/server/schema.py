@@ -4,7 +4,12 @@ Requests accept every field the ``openai`` client and the LangChain / LlamaIndex
 send; a field of an unsupported feature is accepted only at its default ("off") value, and
 :meth:`ChatCompletionRequest.unsupported` names the first one that is not. Unknown fields are
 refused (``extra="forbid"``). ragcache's own extensions: ``documents``, ``reuse``, ``cache_salt``
-in requests; the ``ragcache`` object in responses.
+in requests; the ``ragcache`` object in responses. Two vLLM extensions are honoured so that a
+client written for vLLM (our adapters' ``base_url=`` mode among them) works unchanged:
+``return_token_ids`` (the generated token ids in ``choices[].token_ids``; streamed, all of them in
+the chunk that carries ``finish_reason``, where vLLM sends each chunk's own) and
+``kv_transfer_params`` (a KV connector's per-request parameters: accepted and ignored, as this
+server's cache is built in).
 """
 
 from __future__ import annotations
@@ -88,6 +93,9 @@ class _GenerationFields(_Strict):
     documents: list[str | ExplicitDocument] | None = None
     reuse: Literal["exact", "chunk", "auto"] | None = None
     cache_salt: str | None = Field(None, max_length=MAX_SALT_CHARS)
+    # vLLM extensions
+    return_token_ids: bool | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
     def _common_unsupported(self) -> tuple[str, str] | None:
         if self.n not in (None, 1):
@@ -274,6 +282,7 @@ class ChatChoice(BaseModel):
     message: ResponseMessage
     finish_reason: str
     logprobs: None = None
+    token_ids: list[int] | None = None  # with return_token_ids (vLLM's extension)
 
 
 class ChatCompletion(BaseModel):
@@ -297,6 +306,7 @@ class ChunkChoice(BaseModel):
     delta: DeltaMessage
     finish_reason: str | None = None
     logprobs: None = None
+    token_ids: list[int] | None = None  # with return_token_ids: every generated id, in the finishing chunk
 
 
 class ChatCompletionChunk(BaseModel):
@@ -315,6 +325,7 @@ class CompletionChoice(BaseModel):
     text: str
     finish_reason: str | None = None
     logprobs: None = None
+    token_ids: list[int] | None = None  # with return_token_ids (streamed: in the finishing chunk)
 
 
 class CompletionResponse(BaseModel):
@@ -344,6 +355,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "ragcache"
+    max_model_len: int | None = None  # the context window in tokens (vLLM's field name)
 
 
 class ModelList(BaseModel):

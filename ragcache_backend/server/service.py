@@ -80,6 +80,7 @@ class PreparedRequest:
         stream: answer with server-sent events.
         include_usage: streaming: add a last chunk with ``usage``.
         arrived: ``time.perf_counter()`` at arrival.
+        return_token_ids: put the generated token ids in the choice (vLLM's ``return_token_ids``).
     """
 
     endpoint: str
@@ -90,6 +91,7 @@ class PreparedRequest:
     stream: bool
     include_usage: bool
     arrived: float
+    return_token_ids: bool = False
 
 
 def _sse(payload: str) -> str:
@@ -254,7 +256,7 @@ class CompletionService:
         if salt is not None and len(salt) > MAX_SALT_CHARS:  # the header's salt (the body's is checked by its schema)
             raise APIError(400, f"cache_salt must be at most {MAX_SALT_CHARS} characters", param="cache_salt")
         return PreparedRequest(endpoint, prompt, self._sampling(body, prompt), reuse, salt or None,
-                               bool(body.stream), body.include_usage, arrived)
+                               bool(body.stream), body.include_usage, arrived, bool(body.return_token_ids))
 
     # ---- generation -----------------------------------------------------------------------------
     def _open(self, req: PreparedRequest) -> AsyncIterator[StreamChunk]:
@@ -290,11 +292,12 @@ class CompletionService:
     def _body(self, req: PreparedRequest, result: GenerationResult) -> ChatCompletion | CompletionResponse:
         common = dict(created=int(time.time()), model=self.model_name, usage=Usage.of(result),
                       ragcache=RAGCacheInfo.of(result))
+        ids = list(result.token_ids) if req.return_token_ids else None
         if req.endpoint == CHAT:
             return ChatCompletion(id=f"chatcmpl-{uuid.uuid4().hex[:24]}", **common, choices=[ChatChoice(
-                message=ResponseMessage(content=result.answer), finish_reason=result.finish_reason)])
+                message=ResponseMessage(content=result.answer), finish_reason=result.finish_reason, token_ids=ids)])
         return CompletionResponse(id=f"cmpl-{uuid.uuid4().hex[:24]}", **common, choices=[CompletionChoice(
-            text=result.answer, finish_reason=result.finish_reason)])
+            text=result.answer, finish_reason=result.finish_reason, token_ids=ids)])
 
     async def open_stream(self, req: PreparedRequest) -> EventStream:
         """Start ``req`` and wait for its first chunk, so that an error is still an HTTP status;
@@ -324,11 +327,16 @@ class CompletionService:
                 slot: _Slot) -> AsyncIterator[str]:
         rid, created = uuid.uuid4().hex[:24], int(time.time())
         chat = req.endpoint == CHAT
+
+        def ids(result: GenerationResult | None) -> list[int] | None:  # every id, in the finishing chunk
+            return list(result.token_ids) if req.return_token_ids and result is not None else None
+
         if chat:
             def frame(text: str | None, finish: str | None = None, *, role: bool = False,
                       result: GenerationResult | None = None, usage_only: bool = False) -> str:
                 choices = [] if usage_only else [ChunkChoice(delta=DeltaMessage(
-                    role="assistant" if role else None, content=text), finish_reason=finish)]
+                    role="assistant" if role else None, content=text), finish_reason=finish,
+                    token_ids=ids(result))]
                 return ChatCompletionChunk(
                     id=f"chatcmpl-{rid}", created=created, model=self.model_name, choices=choices,
                     usage=Usage.of(result) if usage_only and result else None,
@@ -337,7 +345,8 @@ class CompletionService:
         else:
             def frame(text: str | None, finish: str | None = None, *, role: bool = False,
                       result: GenerationResult | None = None, usage_only: bool = False) -> str:
-                choices = [] if usage_only else [CompletionChoice(text=text or "", finish_reason=finish)]
+                choices = [] if usage_only else [CompletionChoice(text=text or "", finish_reason=finish,
+                                                                  token_ids=ids(result))]
                 return CompletionChunk(
                     id=f"cmpl-{rid}", created=created, model=self.model_name, choices=choices,
                     usage=Usage.of(result) if usage_only and result else None,
@@ -380,7 +389,8 @@ class CompletionService:
     # ---- other routes ---------------------------------------------------------------------------
     def models(self) -> ModelList:
         """``GET /v1/models``: the one served model."""
-        return ModelList(data=[ModelCard(id=self.model_name, created=self.created)])
+        return ModelList(data=[ModelCard(id=self.model_name, created=self.created,
+                                         max_model_len=self.engine.loaded.context_window)])
 
     def health(self) -> HealthResponse:
         """``GET /health``: ``ok`` or ``draining``, with the engine's load."""

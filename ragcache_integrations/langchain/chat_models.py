@@ -27,6 +27,7 @@ from ragcache_backend.engine.engine import GenerationResult, StreamChunk
 from ragcache_backend.prompts.recognition import ChatTurn
 from ragcache_integrations._params import RAGCacheParams
 from ragcache_integrations._runtime import Generation, UnsupportedContentError
+from ragcache_integrations._server import ServerGeneration
 
 __all__ = ["ChatRAGCache", "usage_metadata", "response_metadata", "to_chat_turns"]
 
@@ -133,7 +134,7 @@ class ChatRAGCache(RAGCacheParams, BaseChatModel):
             params["ls_stop"] = stop or self.stop
         return params
 
-    def _prepare(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict) -> Generation:
+    def _prepare(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict) -> Generation | ServerGeneration:
         return self.chat_generation(to_chat_turns(messages), stop, kwargs)
 
     def _message(self, result: GenerationResult) -> AIMessage:

@@ -21,6 +21,7 @@ from pydantic import Field
 from ragcache_backend.engine.engine import GenerationResult, StreamChunk
 from ragcache_integrations._params import CompletionParams
 from ragcache_integrations._runtime import Generation
+from ragcache_integrations._server import ServerGeneration
 from ragcache_integrations.langchain.chat_models import response_metadata, usage_metadata
 
 __all__ = ["RAGCacheLLM"]
@@ -46,8 +47,8 @@ class RAGCacheLLM(CompletionParams, BaseLLM):
         params["ls_model_name"] = kwargs.get("model") or self.reported_model_name()
         return params
 
-    def _prepare(self, prompt: str, stop: list[str] | None, kwargs: dict) -> Generation:
-        return self.generation(self.segment_completion(prompt, kwargs).segments, stop, kwargs)
+    def _prepare(self, prompt: str, stop: list[str] | None, kwargs: dict) -> Generation | ServerGeneration:
+        return self.completion_generation(prompt, stop, kwargs)
 
     def _info(self, result: GenerationResult) -> dict[str, Any]:
         return {**response_metadata(result, self.reported_model_name()), "usage_metadata": usage_metadata(result)}

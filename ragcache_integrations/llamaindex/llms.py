@@ -34,6 +34,7 @@ from ragcache_backend.engine.engine import GenerationResult, StreamChunk
 from ragcache_backend.prompts.recognition import ChatTurn
 from ragcache_integrations._params import CompletionParams
 from ragcache_integrations._runtime import Generation, UnsupportedContentError
+from ragcache_integrations._server import ServerGeneration
 
 __all__ = ["RAGCacheLLM", "raw_usage", "to_chat_turns"]
 
@@ -92,22 +93,23 @@ class RAGCacheLLM(CompletionParams, CustomLLM):
 
     @property
     def metadata(self) -> LLMMetadata:
-        """Context window of the engine's model (builds the default engine if none was given)."""
-        return LLMMetadata(context_window=self.resolved_engine().loaded.context_window,
+        """Context window of the engine's model (builds the default engine if none was given), or
+        of the ``base_url`` server's (asked once)."""
+        return LLMMetadata(context_window=self.context_window(),
                            num_output=self.max_tokens, is_chat_model=True,
                            model_name=self.reported_model_name())
 
     # ---- requests ------------------------------------------------------------------------------
-    def chat_request(self, messages: Sequence[ChatMessage], **kwargs: Any) -> Generation:
+    def chat_request(self, messages: Sequence[ChatMessage], **kwargs: Any) -> Generation | ServerGeneration:
         """The ready request :meth:`chat` would run (its ``run``, ``stream``, ``submit``...), e.g. for
         a query engine that pipelines retrieval with generation."""
         return self._chat_request(messages, kwargs)
 
-    def _chat_request(self, messages: Sequence[ChatMessage], kwargs: dict) -> Generation:
+    def _chat_request(self, messages: Sequence[ChatMessage], kwargs: dict) -> Generation | ServerGeneration:
         return self.chat_generation(to_chat_turns(messages), None, kwargs)
 
-    def _complete_request(self, prompt: str, kwargs: dict) -> Generation:
-        return self.generation(self.segment_completion(prompt, kwargs).segments, None, kwargs)
+    def _complete_request(self, prompt: str, kwargs: dict) -> Generation | ServerGeneration:
+        return self.completion_generation(prompt, None, kwargs)
 
     @staticmethod
     def _completion(result: GenerationResult) -> CompletionResponse:

@@ -92,14 +92,14 @@ class RAGCacheQueryEngine(CustomQueryEngine):
 
     def _pipelined(self, query_str: str, cancel: threading.Event | None = None) -> Response:
         """Algorithm 2 over the retriever's staged search; the answer is the final nodes' one."""
-        engine = self.llm.resolved_engine()
+        target = self.llm.target()
         cancel = cancel or threading.Event()
 
         def submit(nodes, on_text):
             return self.llm.chat_request(self._messages(query_str, list(nodes))).submit(on_text)
 
-        pipeline = SpeculativePipeline(engine, submit, key=lambda n: n.node.node_id,
-                                       max_prefill_bs=engine.config.max_prefill_bs, cancel=cancel)
+        pipeline = SpeculativePipeline(target, submit, key=lambda n: n.node.node_id,
+                                       max_prefill_bs=target.max_prefill_bs, cancel=cancel)
         outcome = pipeline.speculate(self.retriever.stream_candidates(query_str))
         nodes = list(outcome.documents)
         if outcome.handle is not None:

@@ -118,6 +118,26 @@ async def test_streaming_shapes(api):
     assert all(c["object"] == "text_completion" and c["usage"] is None for c in chunks)
 
 
+async def test_vllm_extensions_return_token_ids_and_kv_transfer_params(api, engine):
+    """vLLM's ``return_token_ids`` is honoured (streamed: every id in the finishing chunk) and its
+    ``kv_transfer_params`` accepted, so clients written for vLLM (our adapters' base_url mode) work."""
+    body = {"messages": HI, "max_tokens": 4, "return_token_ids": True, "kv_transfer_params": {"any": "thing"}}
+    data = (await api.post("/v1/chat/completions", json=body)).json()
+    ids = data["choices"][0]["token_ids"]
+    assert len(ids) == data["usage"]["completion_tokens"] == 4
+    assert engine.loaded.tokenizer.decode(ids) == data["choices"][0]["message"]["content"]
+    plain = (await api.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 4})).json()
+    assert plain["choices"][0].get("token_ids") is None
+    streamed = await api.post("/v1/chat/completions", json={**body, "stream": True})
+    chunks = [json.loads(e) for e in sse(streamed.text)[:-1]]
+    assert [c["choices"][0].get("token_ids") for c in chunks if c["choices"][0]["finish_reason"]] == [ids]
+    assert sum(len(c["choices"][0].get("token_ids") or ()) for c in chunks) == 4
+    done = await api.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "return_token_ids": True})
+    assert len(done.json()["choices"][0]["token_ids"]) == 2
+    models = (await api.get("/v1/models")).json()
+    assert models["data"][0]["max_model_len"] == engine.loaded.context_window
+
+
 async def test_documents_inserted_and_recognised(api):
     body = {"messages": HI, "max_tokens": 2, "documents": [{"id": "rail", "text": DOC}, DOC.upper()]}
     first = (await api.post("/v1/chat/completions", json=body)).json()
