@@ -1,7 +1,8 @@
 """vLLM with and without ragcache as its KV cache (issue 21): `vllm serve` alone (automatic prefix
 caching) against `vllm serve` with ``RAGCacheConnector`` (our host and disk tiers under it), and
 vLLM's own CPU offloading connector at equal host memory, on a RAG trace over the Python docs whose
-working set is larger than vLLM's KV memory; the same after a restart.
+working set is larger than vLLM's KV memory; the same after a restart, and on a second replica
+that shares only a Redis with the first.
 
     .venv/bin/python benchmarks/vllm_connector.py --json out.json
 
@@ -13,19 +14,22 @@ time, ``--max-tokens`` each, temperature 0.
 Systems (same weights ``benchmarks/models/smollm2-135m-bf16``, ``--dtype``, block size 32, KV
 memory ``--kv-bytes`` each):
 * ``vllm``: prefix caching only;
-* ``vllm+ragcache``: plus ``RAGCacheConnector`` with a host tier of ``--host-mib`` and a disk tier
-  (4 GiB, a fresh folder);
+* ``vllm+ragcache``: plus ``RAGCacheConnector`` with a host tier of ``--host-mib``, a disk tier
+  (4 GiB, a fresh folder) and a remote tier in a real ``redis-server`` on loopback (started here;
+  ``--no-remote`` leaves it out, and then the replica pass too);
 * ``vllm+offloading``: plus vLLM's ``--kv-offloading-size`` (its ``OffloadingConnector``) at
   ``--host-mib``; on vLLM's CPU build it refuses to start, and its error is reported.
 
 Passes, interleaved (both servers stay up, idle while the other runs): ``cold`` (empty caches),
-``warm`` (the same trace again), then each server is restarted and runs ``restart``. Per pass: mean,
+``warm`` (the same trace again), then each server is restarted and runs ``restart``; last, ours is
+stopped and a second replica starts with its own empty host and disk tiers and the same Redis, and
+runs ``replica`` (compared with vLLM alone's ``cold``: a fresh vLLM replica has nothing). Per pass: mean,
 median and p99 TTFT, throughput, the cached-token fraction (``vllm:prompt_tokens_cached_total /
 vllm:prompt_tokens_total``), tokens vLLM took from the connector
 (``vllm:external_prefix_cache_hits_total``) and our per-tier counters (``vllm:ragcache_*``).
 Targets (issue 21): mean TTFT with ours <= 0.6x vLLM alone and <= 0.85x vLLM's own offloading;
-after a restart >= 90% of the warm hit rate; miss overhead <= 3% (TTFT of the cold pass's requests
-whose document list is new, ours / alone).
+after a restart >= 90% of the warm hit rate (and, reported beside it, on the second replica); miss
+overhead <= 3% (TTFT of the cold pass's requests whose document list is new, ours / alone).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +46,7 @@ from pathlib import Path
 from bench_client import Server, cpu_info, failure, log_tail, measure, start_vllm, versions
 from benchmark_report import write_report  # benchmarks/ is on sys.path when a script runs
 from chat_traces import rag_trace, write_jsonl
-from serve_load import ROOT, metrics_values
+from serve_load import ROOT, free_port, metrics_values
 
 MiB = 1 << 20
 SYSTEMS = ("vllm", "vllm+ragcache", "vllm+offloading")
@@ -51,19 +56,53 @@ def log_name(system: str) -> str:
     return f"{system.replace('+', '-')}-serve.log"
 
 
-def start(system: str, args, out_dir: Path, kv_dir: Path) -> Server:
+class Redis:
+    """A real ``redis-server`` on loopback for the remote tier (no persistence), or the reason it is not."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.url, self.error, self.proc = None, None, None
+        exe = shutil.which("redis-server")
+        if exe is None:
+            self.error = "redis-server is not installed (apt-get install redis-server)"
+            return
+        port = free_port()
+        self.proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                                      "--dir", str(out_dir)], stdout=open(out_dir / "redis.log", "ab"),
+                                     stderr=subprocess.STDOUT)
+        import redis
+
+        client = redis.Redis(host="127.0.0.1", port=port)
+        for _ in range(100):
+            try:
+                client.ping()
+                self.url = f"redis://127.0.0.1:{port}/0"
+                return
+            except redis.ConnectionError:
+                time.sleep(0.1)
+        self.error = "redis-server did not answer PING in 10 s"
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(30)
+
+
+def start(system: str, args, out_dir: Path, kv_dir: Path, *, remote_url: str | None = None,
+          log: str | None = None) -> Server:
     """``vllm serve`` as ``system`` runs it (block size 32, ``args.kv_bytes`` of KV each)."""
     extra: list[str] = []
     env = {"RAGCACHE_HOME": str(out_dir / "ragcache-home")}
     if system == "vllm+ragcache":
+        config = {"host_mib": args.host_mib, "cache_dir": str(kv_dir), "disk_budget_mib": 4096}
+        if remote_url:
+            config["remote_url"] = remote_url
         extra = ["--kv-transfer-config", json.dumps({
             "kv_connector": "RAGCacheConnector", "kv_connector_module_path": "ragcache_integrations.vllm",
-            "kv_role": "kv_both", "kv_connector_extra_config": {"host_mib": args.host_mib, "cache_dir": str(kv_dir),
-                                                                 "disk_budget_mib": 4096}})]
+            "kv_role": "kv_both", "kv_connector_extra_config": config})]
         env["PYTHONPATH"] = str(ROOT)
     elif system == "vllm+offloading":
         extra = ["--kv-offloading-size", str(args.host_mib / 1024)]
-    return start_vllm(args, out_dir, extra=extra, env=env, log_name=log_name(system))
+    return start_vllm(args, out_dir, extra=extra, env=env, log_name=log or log_name(system))
 
 
 def tier_counters(base: str) -> dict[str, float]:
@@ -105,6 +144,7 @@ def main() -> None:
     ap.add_argument("--host-mib", type=int, default=1024, help="host memory of the connectors, MiB")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-remote", action="store_true", help="no Redis tier and no second-replica pass")
     ap.add_argument("--out-dir", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -134,9 +174,14 @@ def main() -> None:
     systems = [s for s in args.systems.split(",") if s]
     runs: dict[str, dict] = {s: {"passes": {}} for s in systems}
     servers: dict[str, Server] = {}
+    redis = Redis(out_dir) if "vllm+ragcache" in systems and not args.no_remote else None
+    if redis is not None and redis.error:
+        runs["vllm+ragcache"]["passes"]["replica"] = {"error": redis.error}
+        print(f"[vllm+ragcache] no remote tier: {redis.error}", file=sys.stderr, flush=True)
+    remote_url = redis.url if redis is not None else None
     for system in systems:
         try:
-            servers[system] = start(system, args, out_dir, kv_dir)
+            servers[system] = start(system, args, out_dir, kv_dir, remote_url=remote_url)
             runs[system]["command"] = " ".join(servers[system].cmd)
         except Exception as exc:  # reported, never hidden, with the worker's own exception when there is one
             log = out_dir / log_name(system)
@@ -148,7 +193,7 @@ def main() -> None:
             for system in list(servers):
                 servers[system].stop()
                 try:
-                    servers[system] = start(system, args, out_dir, kv_dir)
+                    servers[system] = start(system, args, out_dir, kv_dir, remote_url=remote_url)
                 except Exception as exc:
                     runs[system]["passes"]["restart"] = failure(exc, "")
                     del servers[system]
@@ -161,11 +206,27 @@ def main() -> None:
             print(f"[{system}] {label}: {short(row)}", file=sys.stderr, flush=True)
     for server in servers.values():
         server.stop()
+    if remote_url and "vllm+ragcache" in runs and "error" not in runs["vllm+ragcache"]:
+        # a second replica: its own empty host and disk tiers, the same Redis; the first one is stopped
+        try:
+            replica = start("vllm+ragcache", args, out_dir, out_dir / "ragcache-kv-replica-b", remote_url=remote_url,
+                            log="vllm-ragcache-replica-b-serve.log")
+            try:
+                row = run_pass(replica, "vllm-ragcache-replica", spec, args, out_dir)
+            finally:
+                replica.stop()
+        except Exception as exc:
+            row = failure(exc, "")
+        runs["vllm+ragcache"]["passes"]["replica"] = row
+        print(f"[vllm+ragcache] replica: {short(row)}", file=sys.stderr, flush=True)
+    if redis is not None:
+        redis.stop()
 
     report = {"benchmark": "vllm_connector", "date": started, "command": " ".join([Path(sys.executable).name, *sys.argv]),
               "cpu": cpu, "versions": versions(), "out_dir": str(out_dir),
               "config": {"dtype": args.dtype, "kv_bytes": args.kv_bytes, "host_mib": args.host_mib, "block_size": 32,
-                         "max_tokens": args.max_tokens, "requests": len(rows), "k": args.k, "seed": args.seed},
+                         "max_tokens": args.max_tokens, "requests": len(rows), "k": args.k, "seed": args.seed,
+                         "remote": bool(remote_url)},
               "dataset": {"path": str(path), "sha256_16": digest, **{k: v for k, v in meta.items()
                                                                       if not k.endswith("_of_request")}},
               "runs": runs}
@@ -182,9 +243,13 @@ def compare(runs: dict) -> dict:
         if a.get("mean_ttft_ms") and b.get("mean_ttft_ms"):
             out[f"{label}_mean_ttft_ratio"] = a["mean_ttft_ms"] / b["mean_ttft_ms"]
             out[f"{label}_p99_ttft_ratio"] = a["p99_ttft_ms"] / b["p99_ttft_ms"]
-    warm, restart = ours.get("warm", {}), ours.get("restart", {})
+    warm, restart, replica = ours.get("warm", {}), ours.get("restart", {}), ours.get("replica", {})
     if warm.get("cached_fraction") and restart.get("cached_fraction") is not None:
         out["restart_over_warm_hit_rate"] = restart["cached_fraction"] / warm["cached_fraction"]
+    if warm.get("cached_fraction") and replica.get("cached_fraction") is not None:
+        out["replica_over_warm_hit_rate"] = replica["cached_fraction"] / warm["cached_fraction"]
+    if replica.get("mean_ttft_ms") and alone.get("cold", {}).get("mean_ttft_ms"):
+        out["replica_mean_ttft_vs_alone_cold"] = replica["mean_ttft_ms"] / alone["cold"]["mean_ttft_ms"]
     a, b = ours.get("cold", {}), alone.get("cold", {})
     if a.get("mean_ttft_ms_documents_first_seen") and b.get("mean_ttft_ms_documents_first_seen"):
         out["miss_overhead"] = a["mean_ttft_ms_documents_first_seen"] / b["mean_ttft_ms_documents_first_seen"] - 1
@@ -197,7 +262,7 @@ def print_table(report: dict) -> None:
     cpu, cfg = report["cpu"], report["config"]
     print(f"\nvLLM with and without RAGCacheConnector | {report['date']} | {cpu['model']}, {cpu['cpus']} CPUs, "
           f"AVX512-BF16 {'yes' if cpu['avx512_bf16'] else 'no'} | dtype {cfg['dtype']} | vLLM KV {cfg['kv_bytes'] / MiB:.0f} MiB "
-          f"each, connector host {cfg['host_mib']} MiB (+ disk 4 GiB for ours) | {cfg['requests']} RAG requests, "
+          f"each, connector host {cfg['host_mib']} MiB (+ disk 4 GiB{' + Redis' if cfg.get('remote') else ''} for ours) | {cfg['requests']} RAG requests, "
           f"k={cfg['k']}, max_tokens {cfg['max_tokens']} | vLLM {report['versions'].get('vllm')} | ragcache "
           f"{report['versions'].get('ragcache_commit')}")
     print(f"command: {report['command']}\n")

@@ -10,10 +10,9 @@ OpenAI-compatible server (``ragcache serve``, or vLLM with our KV connector).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
-
-import os
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
@@ -195,7 +194,6 @@ class RAGCacheParams(BaseModel):
         return Generation(self.resolved_engine(), tuple(segments), sampling,
                           use_cache=over.get("use_cache", self.use_cache),
                           timeout=over.get("timeout", self.timeout), max_retries=self.max_retries, reuse=reuse)
-
 
     def _sampling(self, stop: Sequence[str] | None, over: Mapping[str, Any]) -> SamplingParams:
         """Sampling from the instance's settings, ``stop`` and per-call ``over``-rides.

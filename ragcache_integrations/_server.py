@@ -308,10 +308,13 @@ class ServerGeneration:
                     wait=wait_exponential(multiplier=0.1, max=2.0), reraise=True)
 
     # ---- one streamed attempt, the core of every mode --------------------------------------------
-    def _chunks(self, cancel: threading.Event | None = None) -> Iterator[str | GenerationResult]:
+    def _chunks(self, cancel: threading.Event | None = None,
+                opened: list | None = None) -> Iterator[str | GenerationResult]:
         """Text deltas, then the result; closing the iterator closes the stream (the server
-        cancels the request). Raises GenerationTimeoutError past ``timeout``, RequestCancelledError
-        when ``cancel`` is set, InvalidRequestError for a 4xx answer, ServerError otherwise."""
+        cancels the request). ``opened`` receives the open stream, so that another thread can
+        close it (see :meth:`submit`). Raises GenerationTimeoutError past ``timeout``,
+        RequestCancelledError when ``cancel`` is set, InvalidRequestError for a 4xx answer,
+        ServerError otherwise."""
         openai = _openai()
         body, reading = self._body(), _Reading()
         deadline = reading.started + self.timeout if self.timeout else None
@@ -320,18 +323,27 @@ class ServerGeneration:
         try:
             with _mapped(openai, self.timeout):
                 stream = self._open(body)
+            if opened is not None:
+                opened.append(stream)
             with stream, _mapped(openai, self.timeout):
-                for chunk in stream:
-                    text = reading.add(chunk)
-                    if waiting and reading.first_token:
-                        self.client._count(-1)
-                        waiting = False
+                try:
                     if cancel is not None and cancel.is_set():
                         raise RequestCancelledError("the request was cancelled")
-                    if deadline is not None and time.perf_counter() > deadline:
-                        raise GenerationTimeoutError(f"generation exceeded the timeout of {self.timeout} s")
-                    if text:
-                        yield text
+                    for chunk in stream:
+                        text = reading.add(chunk)
+                        if waiting and reading.first_token:
+                            self.client._count(-1)
+                            waiting = False
+                        if cancel is not None and cancel.is_set():
+                            raise RequestCancelledError("the request was cancelled")
+                        if deadline is not None and time.perf_counter() > deadline:
+                            raise GenerationTimeoutError(f"generation exceeded the timeout of {self.timeout} s")
+                        if text:
+                            yield text
+                except Exception as exc:  # a stream closed by another thread's cancel reads as an error
+                    if cancel is not None and cancel.is_set() and not isinstance(exc, RequestCancelledError):
+                        raise RequestCancelledError("the request was cancelled") from None
+                    raise
         finally:
             if waiting:
                 self.client._count(-1)
@@ -430,17 +442,27 @@ class ServerGeneration:
     def submit(self, on_text: Callable[[str], None]) -> RequestHandle:
         """Send this request once, streamed, on a thread (no timeout, no retry): for speculation.
 
-        The handle's ``cancel`` closes the stream; its metrics count the first token (as
+        The handle's ``cancel`` closes the stream (a server that sends its headers only with the
+        first token, as ``ragcache serve`` does, sees it after its prefill); its metrics count the first token (as
         ``admitted`` and ``first_token``: a server does not say when it admitted a request) and
         the generated deltas; the prompt tokens computed are known only when it finishes.
         """
-        cancel = threading.Event()
-        handle = RequestHandle(self.client.next_rid(), lambda _rid: cancel.set())
+        cancel, opened = threading.Event(), []
+
+        def cancel_request(_rid: int) -> None:
+            cancel.set()
+            for stream in list(opened):  # unblocks a read waiting for the next chunk (vLLM: even in prefill)
+                try:
+                    stream.close()
+                except Exception:  # noqa: BLE001 - closing a stream its reader is closing too
+                    pass
+
+        handle = RequestHandle(self.client.next_rid(), cancel_request)
         metrics = handle.metrics
 
         def work() -> None:
             try:
-                for item in self._chunks(cancel):
+                for item in self._chunks(cancel, opened):
                     if isinstance(item, GenerationResult):
                         metrics.computed_tokens = item.computed_tokens
                         metrics.finished = time.perf_counter()
