@@ -37,6 +37,7 @@ from ragcache_backend.engine.request import GenerationResult, RequestHandle, Str
 from ragcache_backend.errors import InvalidRequestError, RAGCacheError, RequestCancelledError
 from ragcache_backend.model.sampling import SamplingParams
 from ragcache_backend.prompts.recognition import ChatTurn
+from ragcache_backend.server.schema import RAGCacheInfo
 from ragcache_backend.engine.pipelining import run_cancellable
 from ragcache_integrations._runtime import TRANSIENT_ERRORS, GenerationTimeoutError, astream_taken
 from ragcache_integrations._speculation import speculation_board
@@ -162,15 +163,14 @@ class _Reading:
     finish_reason: str | None = None
     model: str = ""
     usage: Any = None
-    ragcache: dict | None = None
-    deltas: int = 0
+    ragcache: RAGCacheInfo | None = None
 
     def add(self, chunk: Any) -> str:
         """Take one streamed chunk (chat or completion); returns its text delta."""
         self.model = chunk.model or self.model
         extra = chunk.model_extra or {}
-        if extra.get("ragcache"):
-            self.ragcache = extra["ragcache"]
+        if extra.get("ragcache"):  # ragcache serve's extension object (in the finishing chunk)
+            self.ragcache = RAGCacheInfo.model_validate(extra["ragcache"])
         if chunk.usage is not None:
             self.usage = chunk.usage
         if extra.get("error"):  # an error event after the first chunk (OpenAI's shape)
@@ -182,7 +182,6 @@ class _Reading:
             if choice.finish_reason:
                 self.finish_reason = choice.finish_reason
         if delta:
-            self.deltas += 1
             if not self.first_token:
                 self.first_token = time.perf_counter()
             self.text.append(delta)
@@ -203,21 +202,19 @@ class _Reading:
         details = getattr(self.usage, "prompt_tokens_details", None)
         cached = int(getattr(details, "cached_tokens", 0) or 0)
         prompt = int(self.usage.prompt_tokens)
-        info_ = self.ragcache or {}
         now = time.perf_counter()
-        return GenerationResult(
-            answer=answer, token_ids=tuple(self.token_ids),
-            finish_reason="length" if self.finish_reason == "length" else "stop",
-            ttft_s=(self.first_token or now) - self.started, total_s=now - self.started,
-            prompt_tokens=prompt, cached_tokens=cached,
-            computed_tokens=int(info_.get("computed_tokens", prompt - cached)),
-            device_hits=int(info_.get("device_hits", 0)), host_hits=int(info_.get("host_hits", 0)),
-            documents=tuple(info_.get("documents", documents)), dropped_documents=(),
-            model=self.model or info.model, reuse=info_.get("reuse", "exact"),
-            chunk_cached_tokens=int(info_.get("chunk_cached_tokens", 0)),
-            recomputed_tokens=int(info_.get("recomputed_tokens", 0)),
-            disk_hits=int(info_.get("disk_hits", 0)),
-        )
+        common = dict(answer=answer, token_ids=tuple(self.token_ids),
+                      finish_reason="length" if self.finish_reason == "length" else "stop",
+                      ttft_s=(self.first_token or now) - self.started, total_s=now - self.started,
+                      prompt_tokens=prompt, cached_tokens=cached, dropped_documents=(), model=self.model or info.model)
+        r = self.ragcache
+        if r is None:  # vLLM: only what usage says
+            return GenerationResult(**common, computed_tokens=prompt - cached, device_hits=0, host_hits=0,
+                                    documents=tuple(documents))
+        return GenerationResult(**common, computed_tokens=r.computed_tokens, device_hits=r.device_hits,
+                                host_hits=r.host_hits, documents=tuple(r.documents), reuse=r.reuse,
+                                chunk_cached_tokens=r.chunk_cached_tokens, recomputed_tokens=r.recomputed_tokens,
+                                disk_hits=r.disk_hits)
 
 
 @dataclass(slots=True, frozen=True)
