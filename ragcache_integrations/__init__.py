@@ -20,12 +20,15 @@ if TYPE_CHECKING:  # pragma: no cover
         default_store,
         known_documents,
     )
+    from ragcache_integrations._server import ServerError
 
-__all__ = ["TRANSIENT_ERRORS", "GenerationTimeoutError", "UnsupportedContentError", "default_engine",
+__all__ = ["TRANSIENT_ERRORS", "GenerationTimeoutError", "ServerError", "UnsupportedContentError", "default_engine",
            "default_store", "known_documents"]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "ServerError":  # raised by the adapters' base_url= mode
+        return importlib.import_module("ragcache_integrations._server").ServerError
     if name in __all__:
         return getattr(importlib.import_module("ragcache_integrations._runtime"), name)
     raise AttributeError(f"module 'ragcache_integrations' has no attribute {name!r}")

@@ -42,7 +42,7 @@ from ragcache_backend.engine.pipelining import run_cancellable
 from ragcache_integrations._runtime import TRANSIENT_ERRORS, GenerationTimeoutError, astream_taken
 from ragcache_integrations._speculation import speculation_board
 
-__all__ = ["ServerClient", "ServerError", "ServerGeneration", "ServerInfo", "server_client"]
+__all__ = ["ServerClient", "ServerDocument", "ServerError", "ServerGeneration", "ServerInfo", "server_client"]
 
 Endpoint = Literal["chat", "completion"]
 

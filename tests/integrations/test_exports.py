@@ -10,7 +10,7 @@ import ragcache_integrations.llamaindex
 
 def test_public_api_is_pinned() -> None:
     assert ragcache_integrations.__all__ == [
-        "TRANSIENT_ERRORS", "GenerationTimeoutError", "UnsupportedContentError", "default_engine",
+        "TRANSIENT_ERRORS", "GenerationTimeoutError", "ServerError", "UnsupportedContentError", "default_engine",
         "default_store", "known_documents",
     ]
     assert ragcache_integrations.langchain.__all__ == ["ChatRAGCache", "RAGCacheLLM", "RAGCacheRetriever",
@@ -34,7 +34,7 @@ def test_every_adapter_parameter_is_described() -> None:
 
     own = {
         ChatRAGCache: ["engine", "model_name", "temperature", "max_tokens", "top_p", "seed", "stop", "timeout",
-                       "max_retries", "use_cache", "reuse", "recognizer", "streaming"],
+                       "max_retries", "use_cache", "reuse", "recognizer", "streaming", "base_url", "api_key"],
         RAGCacheLLM: ["engine", "max_tokens", "chat_template", "streaming"],
         RAGCacheRetriever: ["store", "corpus_dir", "k"],
         LlamaLLM: ["engine", "max_tokens", "timeout", "chat_template"],

@@ -20,8 +20,7 @@ from llama_index.core.base.llms.types import ChatMessage
 from pydantic import ValidationError
 
 from ragcache_backend.errors import InvalidRequestError
-from ragcache_integrations import GenerationTimeoutError
-from ragcache_integrations._server import ServerError
+from ragcache_integrations import GenerationTimeoutError, ServerError
 from ragcache_integrations._speculation import speculation_board
 from ragcache_integrations.langchain import ChatRAGCache, RAGCacheLLM, RAGCacheRetriever
 from ragcache_integrations.llamaindex import RAGCacheLLM as LlamaLLM
