@@ -49,7 +49,7 @@ class _Hit:
 
 def test_a_prediction_that_cannot_run_never_fails_the_retrieval():
     board = SpeculationBoard()
-    engine = SimpleNamespace(waiting_requests=0, config=SimpleNamespace(max_prefill_bs=1))
+    engine = SimpleNamespace(waiting_requests=0, max_prefill_bs=1)  # the SpeculativeTarget protocol
 
     def make(_turns):
         raise ValueError("prompt too long")
