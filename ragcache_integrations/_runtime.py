@@ -37,7 +37,7 @@ from ragcache_backend.model.sampling import SamplingParams
 from ragcache_integrations._speculation import speculation_board
 
 __all__ = ["GenerationTimeoutError", "TRANSIENT_ERRORS", "UnsupportedContentError", "Generation",
-           "astream_taken", "default_engine", "default_store", "known_documents", "segmenter"]
+           "arun_taken", "astream_taken", "default_engine", "retry_policy", "stream_taken", "default_store", "known_documents", "segmenter"]
 
 T = TypeVar("T")
 
@@ -167,12 +167,7 @@ class Generation:
                                            on_text=on_text, reuse=self.reuse)
 
     def _retry_kwargs(self, may_retry: Callable[[], bool] = lambda: True) -> dict:
-        return dict(
-            stop=stop_after_attempt(self.max_retries + 1),
-            retry=retry_if_exception(lambda exc: isinstance(exc, TRANSIENT_ERRORS) and may_retry()),
-            wait=wait_exponential(multiplier=0.1, max=2.0),
-            reraise=True,
-        )
+        return retry_policy(self.max_retries, may_retry)
 
     def run(self, on_text: Callable[[str], None] | None = None,
             cancel: threading.Event | None = None) -> GenerationResult:
@@ -218,8 +213,7 @@ class Generation:
         ``asyncio.gather``) share forward steps. Cancelling the task cancels the request."""
         taken = self._posted()
         if taken is not None:
-            cancel = threading.Event()
-            return await run_cancellable(lambda: taken.finish(None, cancel), cancel)
+            return await arun_taken(taken)
         async for attempt in AsyncRetrying(**self._retry_kwargs()):
             with attempt:
                 call = self.engine.agenerate_segments(self.segments, self.sampling, use_cache=self.use_cache,
@@ -234,8 +228,7 @@ class Generation:
         """Text deltas as they are generated; the last chunk carries the result."""
         taken = self._posted()
         if taken is not None:
-            for item in taken.chunks():
-                yield StreamChunk(item) if isinstance(item, str) else StreamChunk("", item)
+            yield from stream_taken(taken)
             return
         for attempt in Retrying(**self._retry_kwargs()):
             with attempt:
@@ -281,6 +274,30 @@ class Generation:
             await chunks.aclose()
             raise GenerationTimeoutError(f"generation exceeded the timeout of {self.timeout} s")
         return chunk
+
+
+def retry_policy(max_retries: int, may_retry: Callable[[], bool] = lambda: True) -> dict:
+    """tenacity keyword arguments of every adapter request, embedded or on a server: up to
+    ``max_retries`` further attempts after a :data:`TRANSIENT_ERRORS` error, while ``may_retry()``
+    (False once text was emitted), with exponential waits (0.1 s doubling, at most 2 s)."""
+    return dict(
+        stop=stop_after_attempt(max_retries + 1),
+        retry=retry_if_exception(lambda exc: isinstance(exc, TRANSIENT_ERRORS) and may_retry()),
+        wait=wait_exponential(multiplier=0.1, max=2.0),
+        reraise=True,
+    )
+
+
+def stream_taken(taken: SpeculationOutcome) -> Iterator[StreamChunk]:
+    """A posted speculative generation as a stream of chunks (held text first, the result last)."""
+    for item in taken.chunks():
+        yield StreamChunk(item) if isinstance(item, str) else StreamChunk("", item)
+
+
+async def arun_taken(taken: SpeculationOutcome) -> GenerationResult:
+    """A posted speculative generation's result, awaited; cancelling the task cancels it."""
+    cancel = threading.Event()
+    return await run_cancellable(lambda: taken.finish(None, cancel), cancel)
 
 
 async def astream_taken(taken: SpeculationOutcome) -> AsyncIterator[StreamChunk]:

@@ -24,6 +24,7 @@ the generated token ids (vLLM's ``return_token_ids``, which ``ragcache serve`` h
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 import time
@@ -31,15 +32,20 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tenacity import AsyncRetrying, Retrying, retry_if_exception, stop_after_attempt, wait_exponential
+from tenacity import AsyncRetrying, Retrying
 
 from ragcache_backend.engine.request import GenerationResult, RequestHandle, StreamChunk
 from ragcache_backend.errors import InvalidRequestError, RAGCacheError, RequestCancelledError
 from ragcache_backend.model.sampling import SamplingParams
 from ragcache_backend.prompts.recognition import ChatTurn
 from ragcache_backend.server.schema import RAGCacheInfo
-from ragcache_backend.engine.pipelining import run_cancellable
-from ragcache_integrations._runtime import TRANSIENT_ERRORS, GenerationTimeoutError, astream_taken
+from ragcache_integrations._runtime import (
+    GenerationTimeoutError,
+    arun_taken,
+    astream_taken,
+    retry_policy,
+    stream_taken,
+)
 from ragcache_integrations._speculation import speculation_board
 
 __all__ = ["ServerClient", "ServerDocument", "ServerError", "ServerGeneration", "ServerInfo", "server_client"]
@@ -131,9 +137,25 @@ class ServerClient:
         with self._lock:
             return self._waiting
 
-    def _count(self, delta: int) -> None:
+    @contextlib.contextmanager
+    def awaiting_first_token(self) -> Iterator[Callable[[], None]]:
+        """Count one request as waiting (for :attr:`waiting_requests`) until it calls the yielded
+        ``arrived()`` (its first token arrived; later calls do nothing) or leaves the block."""
+        waiting = True
         with self._lock:
-            self._waiting += delta
+            self._waiting += 1
+
+        def arrived() -> None:
+            nonlocal waiting
+            with self._lock:
+                if waiting:
+                    waiting = False
+                    self._waiting -= 1
+
+        try:
+            yield arrived
+        finally:
+            arrived()
 
     def next_rid(self) -> int:
         return next(self._ids)
@@ -300,9 +322,7 @@ class ServerGeneration:
         return [d.id for d in self.documents]
 
     def _retry_kwargs(self, may_retry: Callable[[], bool] = lambda: True) -> dict:
-        return dict(stop=stop_after_attempt(self.max_retries + 1),
-                    retry=retry_if_exception(lambda exc: isinstance(exc, TRANSIENT_ERRORS) and may_retry()),
-                    wait=wait_exponential(multiplier=0.1, max=2.0), reraise=True)
+        return retry_policy(self.max_retries, may_retry)
 
     # ---- one streamed attempt, the core of every mode --------------------------------------------
     def _chunks(self, cancel: threading.Event | None = None,
@@ -315,9 +335,7 @@ class ServerGeneration:
         openai = _openai()
         body, reading = self._body(), _Reading()
         deadline = reading.started + self.timeout if self.timeout else None
-        self.client._count(1)
-        waiting = True
-        try:
+        with self.client.awaiting_first_token() as arrived:
             with _mapped(openai, self.timeout):
                 stream = self._open(body)
             if opened is not None:
@@ -328,9 +346,8 @@ class ServerGeneration:
                         raise RequestCancelledError("the request was cancelled")
                     for chunk in stream:
                         text = reading.add(chunk)
-                        if waiting and reading.first_token:
-                            self.client._count(-1)
-                            waiting = False
+                        if reading.first_token:
+                            arrived()
                         if cancel is not None and cancel.is_set():
                             raise RequestCancelledError("the request was cancelled")
                         if deadline is not None and time.perf_counter() > deadline:
@@ -341,9 +358,6 @@ class ServerGeneration:
                     if cancel is not None and cancel.is_set() and not isinstance(exc, RequestCancelledError):
                         raise RequestCancelledError("the request was cancelled") from None
                     raise
-        finally:
-            if waiting:
-                self.client._count(-1)
         yield reading.result(self.client.info(), self._documents())
 
     async def _achunks(self) -> AsyncIterator[str | GenerationResult]:
@@ -352,25 +366,19 @@ class ServerGeneration:
         body = await asyncio.to_thread(self._body)  # the first call asks the server for its model
         reading = _Reading()
         deadline = reading.started + self.timeout if self.timeout else None
-        self.client._count(1)
-        waiting = True
-        try:
+        with self.client.awaiting_first_token() as arrived:
             with _mapped(openai, self.timeout):
                 stream = await self._aopen(body)
             async with stream:
                 with _mapped(openai, self.timeout):
                     async for chunk in stream:
                         text = reading.add(chunk)
-                        if waiting and reading.first_token:
-                            self.client._count(-1)
-                            waiting = False
+                        if reading.first_token:
+                            arrived()
                         if deadline is not None and time.perf_counter() > deadline:
                             raise GenerationTimeoutError(f"generation exceeded the timeout of {self.timeout} s")
                         if text:
                             yield text
-        finally:
-            if waiting:
-                self.client._count(-1)
         yield reading.result(self.client.info(), self._documents())
 
     # ---- the Generation interface --------------------------------------------------------------
@@ -399,8 +407,7 @@ class ServerGeneration:
         """Async :meth:`run`; cancelling the task closes the stream."""
         taken = self._posted()
         if taken is not None:
-            cancel = threading.Event()
-            return await run_cancellable(lambda: taken.finish(None, cancel), cancel)
+            return await arun_taken(taken)
         async for attempt in AsyncRetrying(**self._retry_kwargs()):
             with attempt:
                 async for item in self._achunks():
@@ -412,8 +419,7 @@ class ServerGeneration:
         """Text deltas as they arrive; the last chunk carries the result."""
         taken = self._posted()
         if taken is not None:
-            for item in taken.chunks():
-                yield StreamChunk(item) if isinstance(item, str) else StreamChunk("", item)
+            yield from stream_taken(taken)
             return
         chunks = self._chunks()
         try:
