@@ -29,7 +29,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +64,13 @@ class _Put:
     k: torch.Tensor
     v: torch.Tensor
     nbytes: int
+    done_reading: Callable[[], None] | None = None
+
+    def release(self) -> None:
+        """The writer no longer reads ``k`` and ``v``: tell the caller, once."""
+        callback, self.done_reading = self.done_reading, None
+        if callback is not None:
+            callback()
 
 
 class RemoteStore:
@@ -159,10 +166,12 @@ class RemoteStore:
 
     # ---- writes --------------------------------------------------------------------------------
     def put(self, pkey: str, parent: str, segment: str, k: torch.Tensor, v: torch.Tensor, tokens: tuple[int, ...],
-            avg_cost: float = 0.0) -> bool:
+            avg_cost: float = 0.0, done_reading: Callable[[], None] | None = None) -> bool:
         """Queue an entry (``k``, ``v``: ``[layers, tokens, kv_heads, head_dim]`` CPU tensors, any
-        strides, that the caller no longer changes; the writer thread encodes them); False when
-        skipped (Redis known down, or the writer is behind).
+        strides, that the caller does not change until ``done_reading`` is called, once, from the
+        writer thread after it encoded them or dropped the write; the writer thread encodes them);
+        False when skipped (Redis known down, or the writer is behind; ``done_reading`` is then
+        never called).
 
         Raises:
             InvalidRequestError: tensors that do not fit the layout or dtype.
@@ -181,7 +190,7 @@ class RemoteStore:
                 return False
             self._pending += nbytes
         header = FileHeader(pkey, parent, segment, len(tokens), 1, avg_cost, tokens=tuple(tokens))
-        self._queue.put(_Put(self.name(pkey), header, k, v, nbytes))  # encoded by the writer, off the step
+        self._queue.put(_Put(self.name(pkey), header, k, v, nbytes, done_reading))  # encoded by the writer, off the step
         return True
 
     def flush(self, timeout: float = 30.0) -> bool:
@@ -206,7 +215,9 @@ class RemoteStore:
         while (job := self._queue.get()) is not None:
             try:
                 if self._usable():
-                    self._redis.set(job.name, self.format.encode(job.header, job.k, job.v), nx=True)
+                    data = self.format.encode(job.header, job.k, job.v)
+                    job.release()
+                    self._redis.set(job.name, data, nx=True)
                     self.stats.puts += 1
                 else:
                     self.stats.put_skipped += 1
@@ -216,6 +227,7 @@ class RemoteStore:
             except Exception:  # a bug must not kill the writer: log it, drop the entry
                 log.exception("remote tier: writing %s failed", job.name)
             finally:
+                job.release()
                 with self._lock:
                     self._pending -= job.nbytes
 

@@ -14,7 +14,8 @@ The class adapts vLLM's objects to plain data and delegates: the scheduler side
 (:class:`~ragcache_integrations.vllm.scheduler.ConnectorScheduler`, in vLLM's EngineCore process)
 decides, the worker side (:class:`~ragcache_integrations.vllm.worker.ConnectorWorker`, in each
 worker process) copies blocks. Loads are synchronous (written before the step's forward pass);
-saves are copied out after it, and written to disk by a background thread.
+saves are copied into the host tier's preallocated slots layer by layer as the forward pass
+writes them, and encoded and written to disk and Redis by background threads.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from ragcache_backend.cache.disk import DiskStore, store_folder
 from ragcache_backend.cache.remote import RemoteStore
 from ragcache_backend.config import MiB
 from ragcache_integrations.vllm import SUPPORTED_VLLM
-from ragcache_integrations.vllm.plan import StepPlan
+from ragcache_integrations.vllm.plan import StepPlan, host_slots
 from ragcache_integrations.vllm.scheduler import ConnectorScheduler, RequestView, ScheduledRequest
 from ragcache_integrations.vllm.settings import ConnectorSettings, settings_from_extra_config
 from ragcache_integrations.vllm.worker import ConnectorWorker, disk_layout
@@ -73,13 +74,15 @@ class RAGCacheConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class RAGCacheWorkerReport(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: path keys of blocks that failed to load (the index forgets them)."""
+    """Worker -> scheduler: path keys of blocks that failed to load (the index forgets them), and of
+    host blocks the disk and remote writers are done reading (their slots may be evicted)."""
 
     failed_keys: set[str] = field(default_factory=set)
+    written_keys: set[str] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, RAGCacheWorkerReport):
-            return RAGCacheWorkerReport(self.failed_keys | other.failed_keys)
+            return RAGCacheWorkerReport(self.failed_keys | other.failed_keys, self.written_keys | other.written_keys)
         return self
 
 
@@ -232,7 +235,8 @@ class RAGCacheConnector(KVConnectorBase_V1):
             disk = DiskStore(self.settings.disk_dir, self.fingerprint, disk_layout(tuple(first.shape[1:]), len(kv_caches)),
                              first.dtype, self.settings.disk_budget_mib * MiB, policy=self.settings.policy)
         self._remote = self._open_remote()
-        self._worker = ConnectorWorker(self.block_size, disk, self._remote)
+        self._worker = ConnectorWorker(self.block_size, disk, self._remote,
+                                       host_slots(self.settings.host_bytes, self.block_bytes))
         self._worker.register(kv_caches)
         log.info("ragcache connector (worker): %d layers of %s %s; disk tier %s", len(kv_caches),
                  tuple(first.shape), first.dtype, disk.directory if disk else "off")
@@ -250,7 +254,12 @@ class RAGCacheConnector(KVConnectorBase_V1):
         return None  # loads are written before the forward pass
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return None  # blocks are copied once, after every layer has written them (wait_for_save)
+        if self._worker is None or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, RAGCacheConnectorMetadata)
+        if meta.plan.saves:
+            self._worker.save_layer(meta.plan, layer_name)
 
     def wait_for_save(self) -> None:
         if self._worker is None or not self.has_connector_metadata():
@@ -264,7 +273,9 @@ class RAGCacheConnector(KVConnectorBase_V1):
         return failed
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        if not self._report.failed_keys:
+        if self._worker is not None:
+            self._report.written_keys |= self._worker.take_written()
+        if not (self._report.failed_keys or self._report.written_keys):
             return None
         report, self._report = self._report, RAGCacheWorkerReport()
         return report
@@ -308,6 +319,7 @@ class RAGCacheConnector(KVConnectorBase_V1):
         report = connector_output.kv_connector_worker_meta
         if self._sched is not None and isinstance(report, RAGCacheWorkerReport):
             self._sched.failed(report.failed_keys)
+            self._sched.written(report.written_keys)
 
     def on_new_request(self, request: Request) -> None:
         self._requests[request.request_id] = request

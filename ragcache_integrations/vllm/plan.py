@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from ragcache_backend.cache.knowledge_tree import path_key
 
-__all__ = ["BlockLoad", "BlockSave", "StepPlan", "block_path_keys", "block_segment_key"]
+__all__ = ["BlockLoad", "BlockSave", "StepPlan", "block_path_keys", "block_segment_key", "host_slots"]
 
 
 def block_segment_key(tokens: Sequence[int], salt: str) -> str:
@@ -50,6 +50,11 @@ def block_path_keys(tokens: Sequence[int], block_size: int, salt: str = "", star
     return keys
 
 
+def host_slots(host_budget_bytes: int, block_bytes: int) -> int:
+    """Blocks the host tier holds: the slots of the worker's host arena (both sides compute it)."""
+    return max(0, host_budget_bytes) // max(1, block_bytes)
+
+
 @dataclass(slots=True, frozen=True)
 class BlockLoad:
     """Copy one block's KV from a tier into vLLM's paged KV before the forward pass.
@@ -60,6 +65,7 @@ class BlockLoad:
         block_id: the vLLM KV block to write.
         tier: where the scheduler found it: ``"host"``, ``"disk"`` or ``"remote"``.
         req_id: the request it is loaded for (load failures are reported per block id).
+        slot: its slot in the worker's host arena (``tier == "host"``), else None.
     """
 
     path_key: str
@@ -67,6 +73,7 @@ class BlockLoad:
     block_id: int
     tier: str
     req_id: str
+    slot: int | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -77,9 +84,10 @@ class BlockSave:
         path_key, parent, segment: its path key, its parent's ("" for a first block), its segment key.
         tokens: its token ids.
         block_id: the vLLM KV block to read.
-        to_host: keep a copy in the host tier (PGDSF admitted it).
+        to_host: keep a copy in the host tier (PGDSF admitted it), in ``slot``.
         to_disk: queue a copy for the disk tier (not on disk yet).
         to_remote: queue a copy for the remote tier (not there yet).
+        slot: the host arena slot the block is copied to (``to_host``), else None.
         avg_cost: PGDSF cost of the block, seconds per token (estimated).
         req_id: the request that computed it (a request whose load failed this step saves nothing:
             its step ran over KV that was never written).
@@ -95,6 +103,7 @@ class BlockSave:
     avg_cost: float
     req_id: str = ""
     to_remote: bool = False
+    slot: int | None = None
 
 
 @dataclass(slots=True)
@@ -104,7 +113,8 @@ class StepPlan:
     Attributes:
         loads: blocks to load before the forward pass, in order (a parent before its children).
         saves: blocks to copy out after the forward pass, in order.
-        host_drops: path keys the host tier evicts (the scheduler's PGDSF chose them).
+        host_drops: path keys the host tier evicts (the scheduler's PGDSF chose them; their slots
+            may be written again by this plan's saves).
     """
 
     loads: list[BlockLoad] = field(default_factory=list)

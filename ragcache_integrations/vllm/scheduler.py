@@ -5,7 +5,11 @@ touches a tensor. It owns the *index* of the host tier (which lives in the worke
 worker stores and drops exactly what a :class:`~ragcache_integrations.vllm.plan.StepPlan` says) and
 prices it with the replacement policy (PGDSF by default: RAGCache §5.1, eq. 1-3, Alg. 1, with the
 tier's clock, through the same :class:`~ragcache_backend.cache.evictor.Evictor` as every tier of
-ours). The disk tier is a folder of checksummed files (:class:`~ragcache_backend.cache.disk.DiskStore`
+ours). Each host entry owns one *slot* of the worker's host arena (a KV tensor preallocated with
+the tier's budget, in vLLM's block layout): this side hands out slots and puts them in the plan,
+so a save is a copy into slots that are already paged in, and a load a copy out of them. A
+slot whose block is still being written to the disk or remote tier (the writers read it there)
+is not evicted until the worker reports the write done. The disk tier is a folder of checksummed files (:class:`~ragcache_backend.cache.disk.DiskStore`
 in the worker); this side checks whether a block's file exists, which also finds blocks written
 before a restart. The remote tier (:class:`~ragcache_backend.cache.remote.RemoteStore`, Redis shared
 by replicas) is asked once per lookup for the blocks past what host and disk hold. A block found here may still fail the worker's checks (a file evicted or damaged
@@ -29,7 +33,7 @@ from ragcache_backend.cache.disk import entry_file
 from ragcache_backend.cache.evictor import Evictor
 from ragcache_backend.cache.policy import NodeStats, get_policy
 
-from ragcache_integrations.vllm.plan import BlockLoad, BlockSave, StepPlan, block_path_keys, block_segment_key
+from ragcache_integrations.vllm.plan import BlockLoad, BlockSave, StepPlan, block_path_keys, block_segment_key, host_slots
 
 __all__ = ["ConnectorScheduler", "HostEntry", "RequestView", "ScheduledRequest", "SchedulerCounters"]
 
@@ -53,6 +57,9 @@ class HostEntry:
         last_access: the index's access counter at the last reference.
         children: blocks in the host tier whose parent this is (a block with children is never evicted).
         pinned: a load of it is planned this step (never evicted before the worker has read it).
+        slot: its slot in the worker's host arena.
+        writing: its disk or remote write is queued in the worker, reading the slot (never evicted
+            before the worker reports it written).
     """
 
     path_key: str
@@ -64,6 +71,8 @@ class HostEntry:
     serial: int = 0
     children: int = 0
     pinned: bool = False
+    slot: int = 0
+    writing: bool = False
     priority: dict[str, float] = field(default_factory=dict)
 
     def stats(self) -> NodeStats:
@@ -147,6 +156,10 @@ class ConnectorScheduler:
         self.block_size = block_size
         self.block_bytes = block_bytes
         self.host_budget_bytes = host_budget_bytes
+        self.num_slots = host_slots(host_budget_bytes, block_bytes)
+        self._free_slots: list[int] = []  # slots given back (taken first), then never-used ones from _next_slot
+        self._next_slot = 0
+        self._draining: dict[str, int] = {}  # path key -> slot of a removed entry whose write is still queued
         self.disk_folder = disk_folder
         self.remote_exists = remote_exists
         self.counters = SchedulerCounters()
@@ -220,16 +233,33 @@ class ConnectorScheduler:
             done = (s.num_computed + s.num_scheduled) // self.block_size
             self._plan_saves(s, tracked, min(done, len(tracked.keys), len(s.block_ids)), plan)
         for e in self._host.values():
-            e.pinned = False
+            if e.pinned:
+                e.pinned = False
+                self._evictor.offer(e)
         # a block admitted and evicted again within this plan is not kept (the worker drops, then saves)
-        plan.saves = [s if not s.to_host or s.path_key in self._host else replace(s, to_host=False)
+        plan.saves = [s if s.slot is None or self._slot_of(s.path_key) == s.slot else replace(s, to_host=False, slot=None)
                       for s in plan.saves]
         if self.remote_exists is not None and plan.saves:  # one round trip: send only what the remote tier lacks
             there = self.remote_exists([s.path_key for s in plan.saves])
             plan.saves = [replace(s, to_remote=not found) for s, found in zip(plan.saves, there)]
         plan.saves = [s for s in plan.saves if s.to_host or s.to_disk or s.to_remote]
+        for s in plan.saves:  # the writers read these slots: keep them until the worker reports them written
+            if s.slot is not None and (s.to_disk or s.to_remote):
+                self._host[s.path_key].writing = True
         plan.host_drops, self._drops = self._drops, []
         return plan
+
+    def written(self, path_keys: Iterable[str]) -> None:
+        """The worker finished (or gave up) the disk and remote writes of these blocks: their slots
+        may be evicted (or, for entries already removed, reused)."""
+        for pkey in path_keys:
+            slot = self._draining.pop(pkey, None)
+            if slot is not None:
+                self._free_slots.append(slot)
+            e = self._host.get(pkey)
+            if e is not None and e.writing:
+                e.writing = False
+                self._evictor.offer(e)
 
     def finished(self, req_id: str) -> None:
         """The request is done (its blocks' saves were planned in the steps that computed them)."""
@@ -276,7 +306,8 @@ class ConnectorScheduler:
             i = first + j
             pkey, tier = tracked.keys[i], tracked.load_tiers[j]
             tokens = tuple(s.view.tokens[i * self.block_size:(i + 1) * self.block_size])
-            plan.loads.append(BlockLoad(pkey, tokens, int(s.block_ids[i]), tier, s.view.req_id))
+            plan.loads.append(BlockLoad(pkey, tokens, int(s.block_ids[i]), tier, s.view.req_id,
+                                        self._slot_of(pkey) if tier == HOST else None))
             if tier == HOST:
                 self.counters.hit_tokens_host += self.block_size
             elif tier == DISK:
@@ -304,22 +335,26 @@ class ConnectorScheduler:
             if to_host or to_disk or self.remote_exists is not None:
                 segment = block_segment_key(tokens, s.view.salt if i == 0 else "")
                 plan.saves.append(BlockSave(pkey, parent, segment, tokens, int(s.block_ids[i]), to_host, to_disk, cost,
-                                             s.view.req_id))
+                                            s.view.req_id, slot=self._host[pkey].slot if to_host else None))
                 self.counters.saved_blocks += 1
         tracked.saved_blocks = max(tracked.saved_blocks, done)
 
     def _admit(self, pkey: str, parent: str, cost: float) -> bool:
-        if self.block_bytes > self.host_budget_bytes:
+        if self.num_slots == 0:
             return False
-        while self.host_used_bytes + self.block_bytes > self.host_budget_bytes:
+        while not self._free_slots and self._next_slot >= self.num_slots:
             try:
                 victim = self._evictor.pop()
             except LookupError:
-                return False  # everything left is pinned or has children
+                return False  # everything left is pinned, being written or has children
             self._remove(victim)
             self._drops.append(victim.path_key)
             self.counters.host_evictions += 1
-        e = HostEntry(pkey, parent, self.block_size, avg_cost=cost, serial=next(self._serial))
+        if self._free_slots:
+            slot = self._free_slots.pop()
+        else:
+            slot, self._next_slot = self._next_slot, self._next_slot + 1
+        e = HostEntry(pkey, parent, self.block_size, avg_cost=cost, serial=next(self._serial), slot=slot)
         self._host[pkey] = e
         p = self._host.get(parent)
         if p is not None:
@@ -334,13 +369,21 @@ class ConnectorScheduler:
         e.last_access = self._access
         self._evictor.reprice(e)
 
+    def _slot_of(self, pkey: str) -> int | None:
+        e = self._host.get(pkey)
+        return e.slot if e is not None else None
+
     def _remove(self, e: HostEntry) -> None:
         del self._host[e.path_key]
         self._evictor.forget(e)
+        if e.writing:  # a writer still reads the slot: reused once the worker reports the write
+            self._draining[e.path_key] = e.slot
+        else:
+            self._free_slots.append(e.slot)
         p = self._host.get(e.parent)
         if p is not None:
             p.children -= 1
             self._evictor.offer(p)
 
     def _is_candidate(self, e: HostEntry) -> bool:
-        return e.children == 0 and not e.pinned and self._host.get(e.path_key) is e
+        return e.children == 0 and not e.pinned and not e.writing and self._host.get(e.path_key) is e

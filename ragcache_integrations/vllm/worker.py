@@ -2,11 +2,12 @@
 
 Runs in each vLLM worker process and does exactly what a
 :class:`~ragcache_integrations.vllm.plan.StepPlan` says: before the forward pass it writes the
-planned blocks into vLLM's KV tensors (from the host tier, a dict in this process's memory, or
-the disk tier, a :class:`~ragcache_backend.cache.disk.DiskStore`, or the remote tier, a
-:class:`~ragcache_backend.cache.remote.RemoteStore` in Redis); after it, it copies the blocks the
-step completed into the host tier and queues them for the disk and remote tiers (written by the
-stores' own threads, off the step's critical path).
+planned blocks into vLLM's KV tensors (from the host tier, an arena of block slots in this
+process's memory, or the disk tier, a :class:`~ragcache_backend.cache.disk.DiskStore`, or the
+remote tier, a :class:`~ragcache_backend.cache.remote.RemoteStore` in Redis); during it, as each
+layer has written its KV (vLLM's ``save_kv_layer``), it copies that layer of the blocks the step
+completes into their host slots; after it, it queues them for the disk and remote tiers (encoded
+and written by the stores' own threads, which read the slots, off the step's critical path).
 
 Layout: vLLM's CPU attention keeps each layer as one tensor ``[num_blocks, kv_heads, block_size,
 2 * head_size]`` (K and V packed inside a block in an order that depends on the CPU's ISA), so
@@ -21,11 +22,14 @@ is not written; its vLLM block id is reported, and vLLM recomputes it (the conne
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ragcache_backend.cache.disk import DiskStore
@@ -33,7 +37,7 @@ from ragcache_backend.cache.policy import NodeStats
 from ragcache_backend.cache.remote import RemoteStore
 from ragcache_backend.errors import RAGCacheError
 
-from ragcache_integrations.vllm.plan import BlockLoad, StepPlan
+from ragcache_integrations.vllm.plan import BlockLoad, BlockSave, StepPlan
 
 __all__ = ["ConnectorWorker", "KVLayoutError", "WorkerCounters"]
 
@@ -73,23 +77,43 @@ class StepResult:
 class ConnectorWorker:
     """Moves blocks for the scheduler side's plans (see the module docstring).
 
+    The host tier is an *arena*: one tensor ``[layers, host_slots, kv_heads, block_size,
+    2 * head_size]`` in vLLM's block layout, allocated and paged in when the KV tensors are
+    registered (a save never faults fresh pages on the step's path); the scheduler side assigns
+    the slots. A slot saved for the disk or remote tier is read by their writer threads; when they
+    are done with it the block's path key is reported (:meth:`take_written`), and only then may the
+    scheduler evict it.
+
     Args:
         block_size: vLLM's tokens per block.
         disk: the disk tier (None: off).
         remote: the remote tier shared by replicas (None: off).
+        host_slots: blocks the host arena holds (:func:`~ragcache_integrations.vllm.plan.host_slots`
+            of the host tier's budget; 0: no host tier).
     """
 
-    def __init__(self, block_size: int, disk: DiskStore | None, remote: RemoteStore | None = None) -> None:
+    def __init__(self, block_size: int, disk: DiskStore | None, remote: RemoteStore | None = None,
+                 host_slots: int = 0) -> None:
         self.block_size = block_size
         self.disk = disk
         self.remote = remote
+        self.host_slots = host_slots
         self.counters = WorkerCounters()
         self._layers: list[torch.Tensor] = []
-        self._host: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
+        self._layer_index: dict[str, int] = {}
+        self._arena: torch.Tensor | None = None  # [layers, host_slots, kv_heads, block_size, 2*head_size]
+        self._held: dict[int, tuple[str, tuple[int, ...]]] = {}  # slot -> (path key, tokens) it holds
+        self._rows: list[np.ndarray] = []  # CPU: each layer as [num_blocks, block bytes] (a view, no copy)
+        self._arena_rows: list[np.ndarray] = []  # CPU: each arena layer as [host_slots, block bytes]
         self._failed_reqs: set[str] = set()  # requests whose load failed in the current step
+        self._saving: StepPlan | None = None  # the plan whose host copies save_layer has started
+        self._saved_layers: set[int] = set()
+        self._lock = threading.Lock()  # guards the two below (writer threads call _release)
+        self._reading: dict[str, int] = {}  # path key -> writers still reading its slot
+        self._written: set[str] = set()  # path keys whose slot the writers are done with
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        """Take vLLM's per-layer KV tensors (model order).
+        """Take vLLM's per-layer KV tensors (model order); allocate the host arena (once).
 
         Raises:
             KVLayoutError: a tensor is not ``[num_blocks, kv_heads, block_size, 2 * head_size]``
@@ -105,28 +129,58 @@ class ConnectorWorker:
         if any(tuple(t.shape) != shape or t.dtype != layers[0].dtype for t in layers):
             raise KVLayoutError("vLLM's KV tensors differ in shape or dtype between layers")
         self._layers = layers
+        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+        arena_shape = (len(layers), self.host_slots, *shape[1:])
+        if self._arena is None or tuple(self._arena.shape) != arena_shape or self._arena.dtype != layers[0].dtype:
+            t0 = time.perf_counter()
+            pin = layers[0].device.type == "cuda"
+            self._arena = torch.zeros(arena_shape, dtype=layers[0].dtype, pin_memory=pin)  # zeroed: paged in now
+            self._held.clear()
+            if self.host_slots:
+                log.info("ragcache connector: host arena of %d blocks (%.0f MiB%s) in %.2f s", self.host_slots,
+                         self._arena.nbytes / (1 << 20), ", pinned" if pin else "", time.perf_counter() - t0)
+        # On the CPU, blocks are copied as numpy rows: one memcpy per block, on the calling thread.
+        # (torch's index ops open an OpenMP parallel region per call; inside vLLM's worker, whose
+        # OpenMP threads are bound to the cores the forward pass uses, each such region measured
+        # ~0.5-1 ms of wake-ups per layer: more than the copy itself.)
+        cpu = layers[0].device.type == "cpu" and all(t.is_contiguous() for t in layers)
+        self._rows = [_rows(t) for t in layers] if cpu else []
+        self._arena_rows = [_rows(a) for a in self._arena] if cpu and self.host_slots else []
 
     @property
     def host_keys(self) -> set[str]:
-        return set(self._host)
+        return {pkey for pkey, _ in self._held.values()}
 
     @property
     def host_bytes(self) -> int:
-        return sum(t.nbytes for _, t in self._host.values())
+        return len(self._held) * (self._arena[:, 0].nbytes if self._arena is not None and self.host_slots else 0)
+
+    def take_written(self) -> set[str]:
+        """Path keys whose host slots the disk and remote writers no longer read, since the last call."""
+        with self._lock:
+            done, self._written = self._written, set()
+        return done
 
     # ---- before the forward pass ------------------------------------------------------------------
     def load(self, plan: StepPlan) -> StepResult:
-        """Write the plan's blocks into vLLM's KV; drop the host blocks the scheduler evicted."""
-        for pkey in plan.host_drops:
-            self._host.pop(pkey, None)
+        """Write the plan's blocks into vLLM's KV; forget the host blocks the scheduler evicted."""
+        dropped = set(plan.host_drops)
+        if dropped:
+            self._held = {slot: held for slot, held in self._held.items() if held[0] not in dropped}
         result = StepResult()
         self._failed_reqs = set()
+        self._saving, self._saved_layers = None, set()
         if not plan.loads:
             return result
         t0 = time.perf_counter()
-        ids, blocks = [], []
+        slot_ids, slots, ids, blocks = [], [], [], []
         for load in plan.loads:
-            block = self._read(load)
+            if load.tier == "host" and load.slot is not None and self._held.get(load.slot) == (load.path_key, load.tokens):
+                slot_ids.append(load.block_id)
+                slots.append(load.slot)
+                self.counters.loaded_host += 1
+                continue
+            block = None if load.tier == "host" else self._read(load)
             if block is None:
                 result.failed_block_ids.add(load.block_id)
                 result.failed_keys.add(load.path_key)
@@ -135,21 +189,22 @@ class ConnectorWorker:
                 continue
             ids.append(load.block_id)
             blocks.append(block)
+        if slots:
+            for i in range(len(self._layers)):
+                self._copy_blocks(self._layers[i], slot_ids, self._arena[i], slots, i, from_arena=True)
+            self.counters.load_bytes += len(slots) * self._arena[:, 0].nbytes
         if ids:
-            index = torch.tensor(ids, dtype=torch.long, device=self._layers[0].device)
             stacked = torch.stack(blocks, dim=1)  # [layers, n, kv_heads, block_size, 2*head_size]
-            for layer, kv in zip(self._layers, stacked):
-                layer.index_copy_(0, index, kv.to(layer.device, non_blocking=True))
+            for i, layer in enumerate(self._layers):
+                if self._rows:
+                    self._rows[i][ids] = _rows(stacked[i])
+                else:
+                    layer.index_copy_(0, torch.tensor(ids, device=layer.device), stacked[i].to(layer.device))
             self.counters.load_bytes += stacked.nbytes
         self.counters.load_us += int((time.perf_counter() - t0) * 1e6)
         return result
 
     def _read(self, load: BlockLoad) -> torch.Tensor | None:
-        if load.tier == "host":
-            held = self._host.get(load.path_key)
-            if held is not None and held[0] == load.tokens:
-                self.counters.loaded_host += 1
-                return held[1]
         if load.tier == "remote":
             if self.remote is None:
                 return None
@@ -169,40 +224,59 @@ class ConnectorWorker:
         self.counters.loaded_disk += 1
         return _from_disk(*kv)
 
-    # ---- after the forward pass -------------------------------------------------------------------
-    def save(self, plan: StepPlan) -> None:
-        """Copy the blocks the step completed into the host tier and queue them for the disk tier;
-        nothing of a request whose load failed in this step (its forward pass read unwritten KV)."""
-        saves = [s for s in plan.saves if s.req_id not in self._failed_reqs]
-        self.counters.skipped_saves += len(plan.saves) - len(saves)
-        plan = StepPlan(saves=saves)
-        if not plan.saves:
+    # ---- during and after the forward pass ------------------------------------------------------
+    def save_layer(self, plan: StepPlan, layer_name: str) -> None:
+        """Copy one layer's part of the plan's host saves into their slots, right after the layer
+        wrote its KV (vLLM's ``save_kv_layer``); :meth:`save` copies the layers this missed."""
+        i = self._layer_index.get(layer_name)
+        if i is None or not self.host_slots:
+            return
+        if self._saving is not plan:
+            self._saving, self._saved_layers = plan, set()
+        if i in self._saved_layers:
             return
         t0 = time.perf_counter()
-        index = torch.tensor([s.block_id for s in plan.saves], dtype=torch.long, device=self._layers[0].device)
-        first = self._layers[0]
-        stacked = torch.empty((len(self._layers), len(index), *first.shape[1:]), dtype=first.dtype)
-        for i, layer in enumerate(self._layers):  # the one copy on the step's path
-            if layer.device.type == "cpu":
-                torch.index_select(layer, 0, index, out=stacked[i])
-            else:
-                stacked[i].copy_(layer.index_select(0, index))
-        shared = all(s.to_host for s in plan.saves)  # every block is kept: views of one buffer
-        for j, s in enumerate(plan.saves):
-            block = stacked[:, j] if shared else stacked[:, j].clone()  # [layers, kv_heads, block_size, 2*head_size]
-            if s.to_host:
-                self._host[s.path_key] = (s.tokens, block)
+        self._copy_to_slots(i, self._host_saves(plan))
+        self._saved_layers.add(i)
+        self.counters.save_us += int((time.perf_counter() - t0) * 1e6)
+
+    def save(self, plan: StepPlan) -> None:
+        """Finish the step's saves (after the forward pass): copy the host saves' remaining layers
+        into their slots, then queue blocks for the disk and remote tiers (read by their writer
+        threads from the slots, or from a copy for blocks the host tier did not admit). Nothing of
+        a request whose load failed in this step (its forward pass read unwritten KV) is saved."""
+        saves = [s for s in plan.saves if s.req_id not in self._failed_reqs]
+        skipped = [s for s in plan.saves if s.req_id in self._failed_reqs]
+        self.counters.skipped_saves += len(skipped)
+        for s in skipped:
+            self._forget_slot(s)
+        if not saves:
+            self._saving, self._saved_layers = None, set()
+            return
+        t0 = time.perf_counter()
+        host = self._host_saves(plan)
+        done = self._saved_layers if self._saving is plan else set()
+        for i in range(len(self._layers)):
+            if i not in done:
+                self._copy_to_slots(i, host)
+        self._saving, self._saved_layers = None, set()
+        in_slot = {s.path_key for s in host}
+        for s in saves:
+            if s.path_key in in_slot:
+                self._held[s.slot] = (s.path_key, s.tokens)
                 self.counters.saved_host += 1
-            if (s.to_disk and self.disk is not None) or (s.to_remote and self.remote is not None):
-                k, v = _to_disk(block)
-                if s.to_disk and self.disk is not None and self.disk.put(
-                        s.path_key, s.parent, s.segment, k, v, NodeStats(1, s.avg_cost, len(s.tokens), 0),
-                        tokens=s.tokens):
-                    self.counters.queued_disk += 1
-                if s.to_remote and self.remote is not None and self.remote.put(
-                        s.path_key, s.parent, s.segment, k, v, s.tokens, s.avg_cost):
-                    self.counters.queued_remote += 1
-        self.counters.save_bytes += stacked.nbytes
+                self.counters.save_bytes += self._arena[:, s.slot].nbytes
+            elif s.slot is not None:
+                self._forget_slot(s)  # a slot the arena does not have: nothing kept
+        rest = [s for s in saves if s.path_key not in in_slot and self._queues(s)]
+        copies = self._gather_blocks([s.block_id for s in rest]) if rest else None
+        for j, s in enumerate(rest):
+            self._queue_writes(s, copies[:, j], released=False)
+        for s in host:
+            if self._queues(s):
+                self._queue_writes(s, self._arena[:, s.slot], released=True)
+            elif s.to_disk or s.to_remote:
+                self._release(s.path_key)  # a write the scheduler expected but no tier here takes
         self.counters.save_us += int((time.perf_counter() - t0) * 1e6)
 
     def close(self) -> None:
@@ -211,6 +285,100 @@ class ConnectorWorker:
             self.disk.close()
         if self.remote is not None:
             self.remote.close()
+
+    # ---- internals ----------------------------------------------------------------------------------
+    def _host_saves(self, plan: StepPlan) -> list[BlockSave]:
+        return [s for s in plan.saves if s.slot is not None and 0 <= s.slot < self.host_slots
+                and s.req_id not in self._failed_reqs]
+
+    def _copy_to_slots(self, i: int, saves: list[BlockSave]) -> None:
+        if saves:
+            self._copy_blocks(self._layers[i], [s.block_id for s in saves], self._arena[i], [s.slot for s in saves], i,
+                              from_arena=False)
+
+    def _copy_blocks(self, layer: torch.Tensor, block_ids: list[int], arena: torch.Tensor, slots: list[int], i: int,
+                     *, from_arena: bool) -> None:
+        """Layer ``i``: ``layer[block_ids] = arena[slots]`` (``from_arena``) or ``arena[slots] = layer[block_ids]``."""
+        if self._rows:
+            if from_arena:
+                self._rows[i][block_ids] = self._arena_rows[i][slots]
+            else:
+                self._arena_rows[i][slots] = self._rows[i][block_ids]
+            return
+        index = torch.tensor(block_ids, dtype=torch.long, device=layer.device)
+        where = torch.tensor(slots, dtype=torch.long)
+        if from_arena:
+            layer.index_copy_(0, index, arena.index_select(0, where).to(layer.device, non_blocking=True))
+        else:
+            arena.index_copy_(0, where, layer.index_select(0, index).cpu())
+
+    def _gather_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A fresh ``[layers, n, kv_heads, block_size, 2*head_size]`` CPU copy of vLLM's blocks."""
+        first = self._layers[0]
+        out = torch.empty((len(self._layers), len(block_ids), *first.shape[1:]), dtype=first.dtype)
+        for i, layer in enumerate(self._layers):
+            if self._rows:
+                _rows(out[i])[:] = self._rows[i][block_ids]
+            else:
+                out[i].copy_(layer.index_select(0, torch.tensor(block_ids, device=layer.device)))
+        self.counters.save_bytes += out.nbytes
+        return out
+
+    def _queues(self, s: BlockSave) -> bool:
+        return (s.to_disk and self.disk is not None) or (s.to_remote and self.remote is not None)
+
+    def _queue_writes(self, s: BlockSave, block: torch.Tensor, *, released: bool) -> None:
+        """Queue ``block`` (``[layers, kv_heads, bs, 2*hs]``) for the disk and remote tiers; when it
+        is a slot (``released``), report its path key once every writer is done reading it."""
+        done = functools.partial(self._release, s.path_key) if released else None
+        if released:
+            self._hold(s.path_key)  # a guard: a fast writer must not report the key before both are queued
+        k, v = _to_disk(block)
+        if s.to_disk and self.disk is not None:
+            if released:
+                self._hold(s.path_key)
+            if self.disk.put(s.path_key, s.parent, s.segment, k, v, NodeStats(1, s.avg_cost, len(s.tokens), 0),
+                             tokens=s.tokens, done_reading=done):
+                self.counters.queued_disk += 1
+            elif released:
+                self._release(s.path_key)
+        if s.to_remote and self.remote is not None:
+            if released:
+                self._hold(s.path_key)
+            if self.remote.put(s.path_key, s.parent, s.segment, k, v, s.tokens, s.avg_cost, done_reading=done):
+                self.counters.queued_remote += 1
+            elif released:
+                self._release(s.path_key)
+        if released:
+            self._release(s.path_key)
+
+    def _hold(self, pkey: str) -> None:
+        with self._lock:
+            self._reading[pkey] = self._reading.get(pkey, 0) + 1
+
+    def _release(self, pkey: str) -> None:
+        with self._lock:
+            left = self._reading.get(pkey, 0) - 1
+            if left > 0:
+                self._reading[pkey] = left
+                return
+            self._reading.pop(pkey, None)
+            self._written.add(pkey)
+
+    def _forget_slot(self, s: BlockSave) -> None:
+        """A host save that did not happen: its slot holds nothing, and a write the scheduler is
+        waiting for will not come."""
+        if s.slot is not None:
+            self._held.pop(s.slot, None)
+            if s.to_disk or s.to_remote:
+                self._release(s.path_key)
+
+
+def _rows(t: torch.Tensor) -> np.ndarray:
+    """A contiguous CPU tensor ``[n, ...]`` as a numpy byte array ``[n, bytes per row]`` sharing its memory."""
+    if not t.is_contiguous():
+        raise KVLayoutError("a block copy needs contiguous tensors")  # a reshape would copy: writes would be lost
+    return t.view(torch.uint8).numpy().reshape(t.shape[0], -1)
 
 
 def _to_disk(block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,6 +4,8 @@ plans (plain data), and the worker side's block copies over tensors laid out as 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ from ragcache_backend.errors import InvalidRequestError
 
 BS = 4
 LAYERS, HEADS, HS = 3, 2, 8
+BLOCK_BYTES = LAYERS * HEADS * BS * 2 * HS * 4  # one float32 block over all layers
 
 
 def kv_tensors(num_blocks: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -134,9 +137,9 @@ def test_block_disk_format_round_trips_bytes() -> None:
 def test_worker_saves_and_loads_blocks_exactly_through_host_and_disk(tmp_path) -> None:
     src = kv_tensors(seed=1)
     disk = DiskStore(tmp_path, "fp", disk_layout((HEADS, BS, 2 * HS), LAYERS), torch.float32, 1 << 30)
-    worker = ConnectorWorker(BS, disk)
+    sched = ConnectorScheduler(BS, BLOCK_BYTES, 64 * BLOCK_BYTES, store_folder(tmp_path, "fp"))
+    worker = ConnectorWorker(BS, disk, host_slots=sched.num_slots)
     worker.register(src)
-    sched = ConnectorScheduler(BS, LAYERS * HEADS * BS * 2 * HS * 4, 1 << 30, store_folder(tmp_path, "fp"))
     tokens = list(range(13))
     _, plan = run_prefill(sched, "a", tokens, [2, 5, 7, 1])
     worker.save(plan)
@@ -242,9 +245,9 @@ def test_a_step_saving_more_than_the_host_tier_holds_keeps_the_index_and_the_wor
 
 def test_a_request_whose_load_failed_saves_nothing_of_that_step(tmp_path) -> None:
     src = kv_tensors(seed=3)
-    worker = ConnectorWorker(BS, None)
+    sched = ConnectorScheduler(BS, BLOCK_BYTES, 64 * BLOCK_BYTES, None)
+    worker = ConnectorWorker(BS, None, host_slots=sched.num_slots)
     worker.register(src)
-    sched = ConnectorScheduler(BS, 1, 10_000, None)
     tokens = list(range(9))
     _, plan = run_prefill(sched, "a", tokens, [0, 1, 2])
     worker.save(plan)
@@ -297,3 +300,76 @@ def test_two_replicas_share_blocks_through_a_real_redis(redis_server) -> None:
     assert worker_b.load(StepPlan(loads=plan_b.loads)).failed_block_ids == {9, 10, 11}
     for s in (remote_a, remote_b):
         s.close(timeout=1)
+
+
+def test_host_blocks_live_in_slots_and_a_slot_being_written_is_not_evicted_until_reported() -> None:
+    sched = ConnectorScheduler(BS, 100, 200, Path("/nonexistent-disk-tier"), policy="lru")  # 2 slots, a disk tier
+    assert sched.num_slots == 2
+    _, plan = run_prefill(sched, "a", list(range(9)), [0, 1, 2])
+    assert sorted(s.slot for s in plan.saves) == [0, 1] and all(s.to_disk for s in plan.saves)
+    # both slots wait for their disk writes: nothing can be evicted, so b's blocks are not admitted
+    _, plan_b = run_prefill(sched, "b", list(range(50, 59)), [3, 4, 5])
+    assert plan_b.host_drops == [] and not any(s.to_host or s.slot is not None for s in plan_b.saves)
+    sched.written([s.path_key for s in plan.saves])  # the worker's writers are done with both slots
+    _, plan_c = run_prefill(sched, "c", list(range(70, 79)), [6, 7, 8])
+    assert len(plan_c.host_drops) == 2 and sorted(s.slot for s in plan_c.saves) == [0, 1]  # slots reused
+
+
+def test_a_removed_entry_still_being_written_frees_its_slot_only_when_reported() -> None:
+    sched = ConnectorScheduler(BS, 100, 200, Path("/nonexistent-disk-tier"), policy="lru")
+    tokens = list(range(9))
+    _, plan = run_prefill(sched, "a", tokens, [0, 1, 2])
+    keys = block_path_keys(tokens, BS)
+    sched.failed([keys[0]])  # both leave the index while their writes are queued
+    assert sched.host_keys() == set()
+    _, plan_b = run_prefill(sched, "b", list(range(50, 59)), [3, 4, 5])
+    assert not any(s.to_host for s in plan_b.saves)  # their slots are still read by the writers
+    sched.written(keys)
+    _, plan_c = run_prefill(sched, "c", list(range(70, 79)), [6, 7, 8])
+    assert sorted(s.slot for s in plan_c.saves) == [0, 1]
+
+
+def test_blocks_pinned_by_a_load_are_evictable_again_after_the_step() -> None:
+    sched = ConnectorScheduler(BS, 100, 200, None, policy="lru")
+    toks = list(range(9))
+    run_prefill(sched, "a", toks, [0, 1, 2])
+    run_prefill(sched, "b", toks, [3, 4, 5])  # loads (pins) both, then unpins them
+    _, plan = run_prefill(sched, "c", list(range(50, 59)), [6, 7, 8])
+    assert len(plan.host_drops) == 2 and all(s.to_host for s in plan.saves)
+
+
+def test_worker_saves_layer_by_layer_into_slots_and_reports_slots_its_writers_are_done_with(tmp_path) -> None:
+    src = kv_tensors(seed=5)
+    disk = DiskStore(tmp_path, "fp", disk_layout((HEADS, BS, 2 * HS), LAYERS), torch.float32, 1 << 30)
+    sched = ConnectorScheduler(BS, BLOCK_BYTES, 8 * BLOCK_BYTES, store_folder(tmp_path, "fp"))
+    worker = ConnectorWorker(BS, disk, host_slots=sched.num_slots)
+    worker.register(src)
+    tokens = list(range(13))
+    _, plan = run_prefill(sched, "a", tokens, [2, 5, 7, 1])
+    assert worker.load(plan).failed_block_ids == set()
+    names = list(src)
+    worker.save_layer(plan, names[1])  # as vLLM's save_kv_layer, for some layers; save() does the rest
+    worker.save(plan)
+    assert disk.flush(10)
+    written = worker.take_written()
+    assert written == {s.path_key for s in plan.saves} and worker.take_written() == set()
+    sched.written(written)
+    assert worker.host_keys == {s.path_key for s in plan.saves}
+    # the slots hold the blocks exactly: load them into other block ids of a fresh KV
+    dst = {name: torch.zeros_like(t) for name, t in src.items()}
+    worker.register(dst)
+    _, plan2 = run_prefill(sched, "b", tokens, [3, 4, 6, 8])
+    assert {ld.tier for ld in plan2.loads} == {"host"}
+    assert worker.load(plan2).failed_block_ids == set()
+    for name in names:
+        assert torch.equal(dst[name][[3, 4, 6]], src[name][[2, 5, 7]])
+    # ... and so do the files the writers encoded from the slots
+    dst2 = {name: torch.zeros_like(t) for name, t in src.items()}
+    worker2 = ConnectorWorker(BS, DiskStore(tmp_path, "fp", disk.layout, torch.float32, 1 << 30))
+    worker2.register(dst2)
+    _, plan3 = run_prefill(ConnectorScheduler(BS, BLOCK_BYTES, 0, store_folder(tmp_path, "fp")), "c", tokens, [9, 10, 11, 12])
+    assert {ld.tier for ld in plan3.loads} == {"disk"} and worker2.load(plan3).failed_block_ids == set()
+    for name in names:
+        assert torch.equal(dst2[name][[9, 10, 11]], src[name][[2, 5, 7]])
+    worker.close()
+    worker2.close()
