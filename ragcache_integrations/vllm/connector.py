@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,6 +43,7 @@ from ragcache_backend.cache.disk import DiskStore, store_folder
 from ragcache_backend.cache.remote import RemoteStore
 from ragcache_backend.config import MiB
 from ragcache_integrations.vllm import SUPPORTED_VLLM
+from ragcache_integrations.vllm.cost import StepSample
 from ragcache_integrations.vllm.plan import StepPlan, host_slots
 from ragcache_integrations.vllm.scheduler import ConnectorScheduler, RequestView, ScheduledRequest
 from ragcache_integrations.vllm.settings import ConnectorSettings, settings_from_extra_config
@@ -74,15 +76,18 @@ class RAGCacheConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class RAGCacheWorkerReport(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: path keys of blocks that failed to load (the index forgets them), and of
-    host blocks the disk and remote writers are done reading (their slots may be evicted)."""
+    """Worker -> scheduler: path keys of blocks that failed to load (the index forgets them), of
+    host blocks the disk and remote writers are done reading (their slots may be evicted), and the
+    steps' timed forward passes (PGDSF's block cost)."""
 
     failed_keys: set[str] = field(default_factory=set)
     written_keys: set[str] = field(default_factory=set)
+    steps: list[StepSample] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, RAGCacheWorkerReport):
-            return RAGCacheWorkerReport(self.failed_keys | other.failed_keys, self.written_keys | other.written_keys)
+            return RAGCacheWorkerReport(self.failed_keys | other.failed_keys, self.written_keys | other.written_keys,
+                                        self.steps + other.steps)
         return self
 
 
@@ -202,6 +207,7 @@ class RAGCacheConnector(KVConnectorBase_V1):
         self._remote: RemoteStore | None = None
         self._last: dict[str, float] = {}
         self._failed: set[int] = set()
+        self._forward_t0: float | None = None
         self._report = RAGCacheWorkerReport()
         self._requests: dict[str, Request] = {}
         if role == KVConnectorRole.SCHEDULER:
@@ -249,6 +255,7 @@ class RAGCacheConnector(KVConnectorBase_V1):
         result = self._worker.load(meta.plan)
         self._failed |= result.failed_block_ids
         self._report.failed_keys |= result.failed_keys
+        self._forward_t0 = time.perf_counter()  # the forward pass starts now: timed for PGDSF's cost
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are written before the forward pass
@@ -266,6 +273,10 @@ class RAGCacheConnector(KVConnectorBase_V1):
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, RAGCacheConnectorMetadata)
+        if self._forward_t0 is not None and meta.plan.new_tokens:
+            self._report.steps.append(StepSample(time.perf_counter() - self._forward_t0, meta.plan.new_tokens,
+                                                 meta.plan.attended))
+        self._forward_t0 = None
         self._worker.save(meta.plan)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -275,7 +286,7 @@ class RAGCacheConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if self._worker is not None:
             self._report.written_keys |= self._worker.take_written()
-        if not (self._report.failed_keys or self._report.written_keys):
+        if not (self._report.failed_keys or self._report.written_keys or self._report.steps):
             return None
         report, self._report = self._report, RAGCacheWorkerReport()
         return report
@@ -320,6 +331,7 @@ class RAGCacheConnector(KVConnectorBase_V1):
         if self._sched is not None and isinstance(report, RAGCacheWorkerReport):
             self._sched.failed(report.failed_keys)
             self._sched.written(report.written_keys)
+            self._sched.timed(report.steps)
 
     def on_new_request(self, request: Request) -> None:
         self._requests[request.request_id] = request

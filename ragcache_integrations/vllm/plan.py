@@ -88,7 +88,8 @@ class BlockSave:
         to_disk: queue a copy for the disk tier (not on disk yet).
         to_remote: queue a copy for the remote tier (not there yet).
         slot: the host arena slot the block is copied to (``to_host``), else None.
-        avg_cost: PGDSF cost of the block, seconds per token (estimated).
+        avg_cost: PGDSF cost of the block per token, relative to a block at position 0
+            (:mod:`ragcache_integrations.vllm.cost`).
         req_id: the request that computed it (a request whose load failed this step saves nothing:
             its step ran over KV that was never written).
     """
@@ -115,11 +116,15 @@ class StepPlan:
         saves: blocks to copy out after the forward pass, in order.
         host_drops: path keys the host tier evicts (the scheduler's PGDSF chose them; their slots
             may be written again by this plan's saves).
+        new_tokens, attended: what the step computes (tokens; attention pairs), for the worker's
+            timing sample (:mod:`ragcache_integrations.vllm.cost`).
     """
 
     loads: list[BlockLoad] = field(default_factory=list)
     saves: list[BlockSave] = field(default_factory=list)
     host_drops: list[str] = field(default_factory=list)
+    new_tokens: int = 0
+    attended: float = 0.0
 
     def is_empty(self) -> bool:
         return not (self.loads or self.saves or self.host_drops)

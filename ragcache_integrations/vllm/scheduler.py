@@ -17,8 +17,9 @@ meanwhile, tokens that differ): the worker reports it, vLLM recomputes it, and t
 index.
 
 Block cost for PGDSF: the prefill time per token of a block grows with the tokens before it
-(attention reads them all). Until the connector measures vLLM's prefill, a block at position ``p``
-(tokens before it) is priced ``1 + p / 2048`` units per token (units of a first-block token), a
+(attention reads them all). It comes from vLLM's own steps, timed by the worker and fitted here
+(:class:`~ragcache_integrations.vllm.cost.BlockCostModel`), in units of a first-block token's
+cost; until enough steps are measured a block at position ``p`` is priced ``1 + p / 2048``, a
 prior, so that of two blocks used as often the later one, costlier to recompute, stays.
 """
 
@@ -33,6 +34,7 @@ from ragcache_backend.cache.disk import entry_file
 from ragcache_backend.cache.evictor import Evictor
 from ragcache_backend.cache.policy import NodeStats, get_policy
 
+from ragcache_integrations.vllm.cost import BlockCostModel, StepSample, attended_pairs
 from ragcache_integrations.vllm.plan import BlockLoad, BlockSave, StepPlan, block_path_keys, block_segment_key, host_slots
 
 __all__ = ["ConnectorScheduler", "HostEntry", "RequestView", "ScheduledRequest", "SchedulerCounters"]
@@ -163,6 +165,7 @@ class ConnectorScheduler:
         self.disk_folder = disk_folder
         self.remote_exists = remote_exists
         self.counters = SchedulerCounters()
+        self.cost = BlockCostModel(block_size)
         self._host: dict[str, HostEntry] = {}
         self._evictor: Evictor[HostEntry] = Evictor(HOST, get_policy(policy), self._is_candidate)
         self._access = 0
@@ -225,6 +228,9 @@ class ConnectorScheduler:
         """This step's loads (for requests :meth:`after_alloc` gave external tokens) and saves (blocks
         fully computed by the end of the step and not yet stored), with the host tier's evictions."""
         plan = StepPlan()
+        scheduled = list(scheduled)
+        plan.new_tokens = sum(s.num_scheduled for s in scheduled)
+        plan.attended = sum(attended_pairs(s.num_computed, s.num_scheduled) for s in scheduled)
         steps = [(s, self._track(s.view)) for s in scheduled if s.view.cacheable]
         for s, tracked in steps:  # loads first: they pin their host blocks against this step's evictions
             if tracked.load_blocks:
@@ -260,6 +266,10 @@ class ConnectorScheduler:
             if e is not None and e.writing:
                 e.writing = False
                 self._evictor.offer(e)
+
+    def timed(self, samples: list[StepSample]) -> None:
+        """The worker timed these steps' forward passes: they refine the block cost (PGDSF)."""
+        self.cost.observe(samples)
 
     def finished(self, req_id: str) -> None:
         """The request is done (its blocks' saves were planned in the steps that computed them)."""
@@ -326,7 +336,7 @@ class ConnectorScheduler:
             pkey = tracked.keys[i]
             parent = tracked.keys[i - 1] if i else ""
             tokens = tuple(s.view.tokens[i * self.block_size:(i + 1) * self.block_size])
-            cost = 1.0 + i * self.block_size / 2048
+            cost = self.cost.relative_cost(i * self.block_size)
             in_host = pkey in self._host
             if in_host:
                 self._touch(self._host[pkey])

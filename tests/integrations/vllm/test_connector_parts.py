@@ -373,3 +373,39 @@ def test_worker_saves_layer_by_layer_into_slots_and_reports_slots_its_writers_ar
         assert torch.equal(dst2[name][[9, 10, 11]], src[name][[2, 5, 7]])
     worker.close()
     worker2.close()
+
+
+def test_block_cost_is_fitted_from_timed_steps_relative_to_a_first_block() -> None:
+    from ragcache_integrations.vllm.cost import BlockCostModel, StepSample, attended_pairs
+
+    model = BlockCostModel(BS, min_samples=8, refit_every=4)
+    assert model.relative_cost(2048) == pytest.approx(2.0)  # the prior until steps are measured
+    c0, a, b = 0.004, 2e-4, 1e-7
+    shapes = [(alpha, beta) for alpha in (0, 300, 900, 2000) for beta in (1, 16, 200, 700)]
+    model.observe([StepSample(c0 + a * beta + b * attended_pairs(alpha, beta), beta, attended_pairs(alpha, beta))
+                   for alpha, beta in shapes])
+    assert model.coefficients == pytest.approx((c0, a, b), rel=1e-6)
+    half = (BS + 1) / 2
+    assert model.relative_cost(0) == pytest.approx(1.0)
+    assert model.relative_cost(1000) == pytest.approx((a + b * (1000 + half)) / (a + b * half))
+    # steps that all look alike say nothing about position: no fit, the prior stays
+    flat = BlockCostModel(BS, min_samples=8)
+    flat.observe([StepSample(0.01, 16, attended_pairs(0, 16))] * 10 + [StepSample(0.0, 0, 0.0)])
+    assert flat.coefficients is None and flat.relative_cost(2048) == pytest.approx(2.0)
+
+
+def test_the_scheduler_prices_saved_blocks_with_the_measured_cost() -> None:
+    from ragcache_integrations.vllm.cost import StepSample, attended_pairs
+
+    sched = ConnectorScheduler(BS, 100, 10_000, None)
+    tokens = list(range(13))
+    _, plan = run_prefill(sched, "a", tokens, [0, 1, 2, 3])
+    assert plan.new_tokens == 13 and plan.attended == attended_pairs(0, 13)
+    assert [s.avg_cost for s in plan.saves] == [1.0 + i * BS / 2048 for i in range(3)]  # the prior
+    a, b = 1e-4, 1e-6  # attention is costly here: later blocks are worth much more
+    sched.timed([StepSample(a * beta + b * attended_pairs(alpha, beta), beta, attended_pairs(alpha, beta))
+                 for alpha in (0, 64, 512) for beta in (1, 8, 64, 256) for _ in range(3)])
+    _, plan = run_prefill(sched, "b", list(range(100, 113)), [4, 5, 6, 7])
+    costs = [s.avg_cost for s in plan.saves]
+    assert costs[0] == pytest.approx(1.0) and costs == sorted(costs)
+    assert costs[2] == pytest.approx(sched.cost.relative_cost(2 * BS)) and costs[2] > 1.0 + 2 * BS / 2048

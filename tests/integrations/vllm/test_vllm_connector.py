@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,7 @@ DRIVER = Path(__file__).with_name("vllm_driver.py")
 PASSAGE = ("The knowledge tree keeps the key-value tensors of retrieved documents so that a later request "
            "which retrieves the same documents in the same order skips their prefill. ")
 PROMPT = "".join(f"Passage {i}. {PASSAGE}" for i in range(16)) + "Question: what does the knowledge tree keep?"
+OTHER = "".join(f"Section {i}. {PASSAGE[::-1]}" for i in range(16)) + "Question: what does section 3 say?"
 
 
 def _require_vllm() -> None:
@@ -60,17 +60,23 @@ def runs(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("vllm-connector")
     redis = RedisServer(tmp)
     kv, kv_b = tmp / "kv", tmp / "kv-replica-b"
-    plain = {"prompt": PROMPT}
+    plain, other = {"prompt": PROMPT}, {"prompt": OTHER}
     salted_a, salted_b = {"prompt": PROMPT, "salt": "tenant-a"}, {"prompt": PROMPT, "salt": "tenant-b"}
     shared = {"remote_url": redis.url}
     out = {"tmp": tmp, "kv": kv}
     try:
-        out["without"] = run_vllm(tmp, "without", [plain], connector=False)
+        out["without"] = run_vllm(tmp, "without", [plain, other], connector=False)
         out["first"] = run_vllm(tmp, "first", [plain, salted_a], connector=True, cache_dir=kv, extra=shared)
         out["restart"] = run_vllm(tmp, "restart", [plain, salted_a, salted_b], connector=True, cache_dir=kv,
                                   extra=shared)
+        # requests aborted while their blocks load from disk (as soon as sent: racing the engine's
+        # step) or right after the step that loaded and saved them; other's blocks are saved by
+        # the aborted request only
+        aborted = [{**plain, "abort_after_steps": 0}, {**plain, "abort_after_steps": 1},
+                   {**other, "abort_after_steps": 1}, plain]
+        out["aborted"] = run_vllm(tmp, "aborted", aborted, connector=True, cache_dir=kv, extra=shared)
         # another replica: its own (empty) disk tier, the same Redis
-        out["replica_b"] = run_vllm(tmp, "replica_b", [plain], connector=True, cache_dir=kv_b, extra=shared)
+        out["replica_b"] = run_vllm(tmp, "replica_b", [plain, other], connector=True, cache_dir=kv_b, extra=shared)
     finally:
         redis.stop()
     files = sorted(kv.rglob("*.kv.safetensors"))
@@ -137,6 +143,17 @@ def test_a_prompt_computed_on_one_replica_is_a_hit_on_another_through_redis(runs
     assert b["metrics"]["vllm:ragcache_hit_tokens_remote"] >= 0.9 * n
     assert b["metrics"]["vllm:ragcache_loaded_remote"] >= 18 and b["metrics"]["vllm:ragcache_failed"] == 0
     assert b["results"][0]["token_ids"] == without[0]["token_ids"]
+
+
+def test_requests_aborted_while_their_kv_loads_or_saves_leave_nothing_wrong_behind(runs) -> None:
+    results, without = runs["aborted"]["results"], runs["without"]["results"]
+    assert [r.get("aborted", False) for r in results] == [True, True, True, False]
+    n = results[3]["prompt_tokens"]
+    assert results[3]["cached"] >= 0.9 * n and results[3]["token_ids"] == without[0]["token_ids"]
+    assert runs["aborted"]["metrics"]["vllm:ragcache_failed"] == 0
+    # what the aborted request saved is whole: another replica reads other's blocks from Redis
+    b = runs["replica_b"]["results"][1]
+    assert b["cached"] >= 0.9 * b["prompt_tokens"] and b["token_ids"] == without[1]["token_ids"]
 
 
 def test_redis_unreachable_from_the_start_is_served_by_recomputation(runs) -> None:

@@ -1,7 +1,8 @@
 """Runs inside the vLLM venv (``benchmarks/.venv-vllm``), started by ``test_vllm_connector.py``: one
 real vLLM engine (``vllm.LLM``: EngineCore and worker in their own processes, as ``vllm serve``),
 with or without ``RAGCacheConnector``, answers a list of prompts one after the other (greedy) and
-writes what it saw as JSON: each answer's token ids, prompt tokens, cached prompt tokens (vLLM's
+(or, for an item with ``abort_after_steps``, aborts it after that many engine steps, which the
+engine core may be in the middle of: loads and saves race with the abort) and writes what it saw as JSON: each answer's token ids, prompt tokens, cached prompt tokens (vLLM's
 own prefix cache plus ours), and the connector's Prometheus counters.
 
 Not a test module (no ``test_`` prefix): pytest does not collect it.
@@ -18,7 +19,7 @@ import sys
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
-    ap.add_argument("--prompts", required=True, help="JSON list of {prompt, salt}")
+    ap.add_argument("--prompts", required=True, help="JSON list of {prompt, salt, abort_after_steps}")
     ap.add_argument("--out", required=True)
     ap.add_argument("--connector", action="store_true")
     ap.add_argument("--extra", default="{}", help="kv_connector_extra_config as JSON")
@@ -41,10 +42,20 @@ def main() -> int:
               disable_log_stats=False, **kw)
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     results = []
-    for item in json.load(open(args.prompts)):
+    for i, item in enumerate(json.load(open(args.prompts))):
         prompt = {"prompt": item["prompt"]}
         if item.get("salt"):
             prompt["cache_salt"] = item["salt"]
+        if "abort_after_steps" in item:  # aborted after that many engine steps (0: as soon as it is sent)
+            engine = llm.llm_engine
+            rid = engine.add_request(f"aborted-{i}", prompt, sp)
+            for _ in range(item["abort_after_steps"]):
+                engine.step()
+            engine.abort_request([rid])
+            while engine.has_unfinished_requests():
+                engine.step()
+            results.append({"aborted": True})
+            continue
         out = llm.generate([prompt], sp, use_tqdm=False)[0]
         results.append({"token_ids": list(out.outputs[0].token_ids), "text": out.outputs[0].text,
                         "prompt_tokens": len(out.prompt_token_ids), "cached": out.num_cached_tokens})
