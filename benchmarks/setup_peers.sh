@@ -5,6 +5,7 @@
 #   bash benchmarks/setup_peers.sh            # both peers (in parallel)
 #   bash benchmarks/setup_peers.sh vllm       # only vLLM (CPU build)
 #   bash benchmarks/setup_peers.sh llamacpp   # only llama-cpp-python (compiles ~12 min)
+#   bash benchmarks/setup_peers.sh lmcache    # LMCache for vLLM (after vllm), benchmarks/vllm_connector.py
 set -uo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 PY="${PYTHON:-python3.11}"
@@ -32,6 +33,19 @@ setup_vllm() {
   touch "$venv/.ok"
 }
 
+setup_lmcache() {
+  # LMCache runs inside vLLM's processes, so it must import from vLLM's environment; it goes to a
+  # folder of its own put on PYTHONPATH by benchmarks/vllm_connector.py (the vLLM venv stays as
+  # it is). Its declared dependencies pull CUDA packages (cupy-cuda13x, nvtx, a CUDA torch): only
+  # the pure-Python modules it imports and vLLM lacks are added.
+  local site="$HERE/.lmcache-site"
+  set -e
+  "$HERE/.venv-vllm/bin/pip" install -q --no-deps --target "$site" "lmcache==${LMCACHE_VERSION:-0.5.6}" \
+    sortedcontainers aiofile caio
+  PYTHONPATH="$site" "$HERE/.venv-vllm/bin/python" -c "import lmcache.integration.vllm.lmcache_connector_v1; print('lmcache imports')"
+  touch "$site/.ok"
+}
+
 setup_llamacpp() {
   local venv="$HERE/.venv-llamacpp"
   set -e
@@ -49,10 +63,11 @@ which="${1:-all}"
 case "$which" in
   vllm) setup_vllm > "$HERE/logs/setup-vllm.log" 2>&1 ;;
   llamacpp) setup_llamacpp > "$HERE/logs/setup-llamacpp.log" 2>&1 ;;
+  lmcache) setup_lmcache > "$HERE/logs/setup-lmcache.log" 2>&1 ;;
   all)
     ( setup_vllm > "$HERE/logs/setup-vllm.log" 2>&1; echo "vllm exit $?" >> "$HERE/logs/setup-vllm.log" ) &
     ( setup_llamacpp > "$HERE/logs/setup-llamacpp.log" 2>&1; echo "llamacpp exit $?" >> "$HERE/logs/setup-llamacpp.log" ) &
     wait ;;
-  *) echo "usage: $0 [all|vllm|llamacpp]" >&2; exit 2 ;;
+  *) echo "usage: $0 [all|vllm|llamacpp|lmcache]" >&2; exit 2 ;;
 esac
 echo "logs in $HERE/logs/"

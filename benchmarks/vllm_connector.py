@@ -18,7 +18,10 @@ memory ``--kv-bytes`` each):
   (4 GiB, a fresh folder) and a remote tier in a real ``redis-server`` on loopback (started here;
   ``--no-remote`` leaves it out, and then the replica pass too);
 * ``vllm+offloading``: plus vLLM's ``--kv-offloading-size`` (its ``OffloadingConnector``) at
-  ``--host-mib``; on vLLM's CPU build it refuses to start, and its error is reported.
+  ``--host-mib``; on vLLM's CPU build it refuses to start, and its error is reported;
+* ``vllm+lmcache``: plus LMCache 0.5.x (``LMCacheConnectorV1``, CPU backend of ``--host-mib``,
+  from ``benchmarks/.lmcache-site``: ``bash benchmarks/setup_peers.sh lmcache``); its error is
+  reported when it does not start.
 
 Passes, interleaved (both servers stay up, idle while the other runs): ``cold`` (empty caches),
 ``warm`` (the same trace again), then each server is restarted and runs ``restart``; last, ours is
@@ -60,7 +63,8 @@ from chat_traces import rag_trace, write_jsonl
 from serve_load import ROOT, free_port, metrics_values
 
 MiB = 1 << 20
-SYSTEMS = ("vllm", "vllm+ragcache", "vllm+offloading")
+SYSTEMS = ("vllm", "vllm+ragcache", "vllm+offloading", "vllm+lmcache")
+LMCACHE_SITE = ROOT / "benchmarks" / ".lmcache-site"
 
 
 def log_name(system: str) -> str:
@@ -113,6 +117,12 @@ def start(system: str, args, out_dir: Path, kv_dir: Path, *, remote_url: str | N
         env["PYTHONPATH"] = str(ROOT)
     elif system == "vllm+offloading":
         extra = ["--kv-offloading-size", str(args.host_mib / 1024)]
+    elif system == "vllm+lmcache":
+        if not (LMCACHE_SITE / ".ok").exists():
+            raise RuntimeError(f"LMCache is not installed in {LMCACHE_SITE}: bash benchmarks/setup_peers.sh lmcache")
+        extra = ["--kv-transfer-config", json.dumps({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"})]
+        env.update(PYTHONPATH=str(LMCACHE_SITE), LMCACHE_LOCAL_CPU="True", LMCACHE_CHUNK_SIZE="256",
+                   LMCACHE_MAX_LOCAL_CPU_SIZE=str(args.host_mib / 1024))
     return start_vllm(args, out_dir, extra=extra, env=env, log_name=log or log_name(system))
 
 

@@ -171,6 +171,19 @@ def model_fingerprint(vllm_config: VllmConfig, block_size: int) -> str:
     return f"vllm-{name}-{digest.hexdigest()[:16]}"
 
 
+def share_vllm_logging() -> None:
+    """Send ragcache's log lines (the connector's, the tiers') through vLLM's handlers, at vLLM's
+    level: vLLM configures only its own ``vllm`` logger, so they would otherwise go unseen below
+    WARNING. Loggers that already have handlers (set up by the user) are left alone."""
+    source = logging.getLogger("vllm")
+    for name in ("ragcache_integrations", "ragcache_backend"):
+        logger = logging.getLogger(name)
+        if not logger.handlers and source.handlers:
+            logger.handlers = list(source.handlers)
+            logger.setLevel(source.level)
+            logger.propagate = False
+
+
 def _has_amx() -> bool:
     try:
         return "amx_tile" in Path("/proc/cpuinfo").read_text()
@@ -191,6 +204,7 @@ class RAGCacheConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         check_version(vllm.__version__)
+        share_vllm_logging()
         super().__init__(vllm_config, role, kv_cache_config)
         self.settings: ConnectorSettings = settings_from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         self.block_size = int(vllm_config.cache_config.block_size)
