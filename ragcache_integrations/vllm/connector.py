@@ -76,17 +76,17 @@ class RAGCacheConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class RAGCacheWorkerReport(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: path keys of blocks that failed to load (the index forgets them), of
-    host blocks the disk and remote writers are done reading (their slots may be evicted), and the
-    steps' timed forward passes (PGDSF's block cost)."""
+    """Worker -> scheduler: path keys of blocks that failed to load (the index forgets them), host
+    slots the disk and remote writers are done reading (their blocks may be evicted), and the steps'
+    timed forward passes (PGDSF's block cost)."""
 
     failed_keys: set[str] = field(default_factory=set)
-    written_keys: set[str] = field(default_factory=set)
+    written_slots: set[int] = field(default_factory=set)
     steps: list[StepSample] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, RAGCacheWorkerReport):
-            return RAGCacheWorkerReport(self.failed_keys | other.failed_keys, self.written_keys | other.written_keys,
+            return RAGCacheWorkerReport(self.failed_keys | other.failed_keys, self.written_slots | other.written_slots,
                                         self.steps + other.steps)
         return self
 
@@ -299,8 +299,8 @@ class RAGCacheConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if self._worker is not None:
-            self._report.written_keys |= self._worker.take_written()
-        if not (self._report.failed_keys or self._report.written_keys or self._report.steps):
+            self._report.written_slots |= self._worker.take_written()
+        if not (self._report.failed_keys or self._report.written_slots or self._report.steps):
             return None
         report, self._report = self._report, RAGCacheWorkerReport()
         return report
@@ -344,7 +344,7 @@ class RAGCacheConnector(KVConnectorBase_V1):
         report = connector_output.kv_connector_worker_meta
         if self._sched is not None and isinstance(report, RAGCacheWorkerReport):
             self._sched.failed(report.failed_keys)
-            self._sched.written(report.written_keys)
+            self._sched.written(report.written_slots)
             self._sched.timed(report.steps)
 
     def on_new_request(self, request: Request) -> None:

@@ -58,7 +58,8 @@ class HostEntry:
         avg_cost: estimated prefill cost per token (see the module docstring).
         last_access: the index's access counter at the last reference.
         children: blocks in the host tier whose parent this is (a block with children is never evicted).
-        pinned: a load of it is planned this step (never evicted before the worker has read it).
+        pinned: a load of it is planned this step (never evicted before the worker has read it), or
+            it was admitted in this step (never evicted to make room for its own children).
         slot: its slot in the worker's host arena.
         writing: its disk or remote write is queued in the worker, reading the slot (never evicted
             before the worker reports it written).
@@ -161,7 +162,8 @@ class ConnectorScheduler:
         self.num_slots = host_slots(host_budget_bytes, block_bytes)
         self._free_slots: list[int] = []  # slots given back (taken first), then never-used ones from _next_slot
         self._next_slot = 0
-        self._draining: dict[str, int] = {}  # path key -> slot of a removed entry whose write is still queued
+        self._draining: set[int] = set()  # slots of removed entries whose writes still read them
+        self._by_slot: dict[int, HostEntry] = {}
         self.disk_folder = disk_folder
         self.remote_exists = remote_exists
         self.counters = SchedulerCounters()
@@ -255,14 +257,15 @@ class ConnectorScheduler:
         plan.host_drops, self._drops = self._drops, []
         return plan
 
-    def written(self, path_keys: Iterable[str]) -> None:
-        """The worker finished (or gave up) the disk and remote writes of these blocks: their slots
-        may be evicted (or, for entries already removed, reused)."""
-        for pkey in path_keys:
-            slot = self._draining.pop(pkey, None)
-            if slot is not None:
+    def written(self, slots: Iterable[int]) -> None:
+        """The worker's disk and remote writers are done reading these host slots (written or given
+        up): their blocks may be evicted, and the slots of blocks already removed reused."""
+        for slot in slots:
+            if slot in self._draining:
+                self._draining.discard(slot)
                 self._free_slots.append(slot)
-            e = self._host.get(pkey)
+                continue
+            e = self._by_slot.get(slot)
             if e is not None and e.writing:
                 e.writing = False
                 self._evictor.offer(e)
@@ -364,8 +367,10 @@ class ConnectorScheduler:
             slot = self._free_slots.pop()
         else:
             slot, self._next_slot = self._next_slot, self._next_slot + 1
-        e = HostEntry(pkey, parent, self.block_size, avg_cost=cost, serial=next(self._serial), slot=slot)
+        # pinned for the rest of this plan: a block's own children admitted after it must not evict it
+        e = HostEntry(pkey, parent, self.block_size, avg_cost=cost, serial=next(self._serial), slot=slot, pinned=True)
         self._host[pkey] = e
+        self._by_slot[slot] = e
         p = self._host.get(parent)
         if p is not None:
             p.children += 1
@@ -385,9 +390,10 @@ class ConnectorScheduler:
 
     def _remove(self, e: HostEntry) -> None:
         del self._host[e.path_key]
+        del self._by_slot[e.slot]
         self._evictor.forget(e)
-        if e.writing:  # a writer still reads the slot: reused once the worker reports the write
-            self._draining[e.path_key] = e.slot
+        if e.writing:  # a writer still reads the slot: reused once the worker reports it
+            self._draining.add(e.slot)
         else:
             self._free_slots.append(e.slot)
         p = self._host.get(e.parent)

@@ -81,8 +81,8 @@ class ConnectorWorker:
     2 * head_size]`` in vLLM's block layout, allocated and paged in when the KV tensors are
     registered (a save never faults fresh pages on the step's path); the scheduler side assigns
     the slots. A slot saved for the disk or remote tier is read by their writer threads; when they
-    are done with it the block's path key is reported (:meth:`take_written`), and only then may the
-    scheduler evict it.
+    are done with it the slot is reported (:meth:`take_written`), and only then may the scheduler
+    evict it or give it to another block.
 
     Args:
         block_size: vLLM's tokens per block.
@@ -109,8 +109,8 @@ class ConnectorWorker:
         self._saving: StepPlan | None = None  # the plan whose host copies save_layer has started
         self._saved_layers: set[int] = set()
         self._lock = threading.Lock()  # guards the two below (writer threads call _release)
-        self._reading: dict[str, int] = {}  # path key -> writers still reading its slot
-        self._written: set[str] = set()  # path keys whose slot the writers are done with
+        self._reading: dict[int, int] = {}  # slot -> writers still reading it
+        self._written: set[int] = set()  # slots the writers are done with
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Take vLLM's per-layer KV tensors (model order); allocate the host arena (once).
@@ -155,8 +155,8 @@ class ConnectorWorker:
     def host_bytes(self) -> int:
         return len(self._held) * (self._arena[:, 0].nbytes if self._arena is not None and self.host_slots else 0)
 
-    def take_written(self) -> set[str]:
-        """Path keys whose host slots the disk and remote writers no longer read, since the last call."""
+    def take_written(self) -> set[int]:
+        """Host slots the disk and remote writers no longer read, since the last call."""
         with self._lock:
             done, self._written = self._written, set()
         return done
@@ -276,7 +276,7 @@ class ConnectorWorker:
             if self._queues(s):
                 self._queue_writes(s, self._arena[:, s.slot], released=True)
             elif s.to_disk or s.to_remote:
-                self._release(s.path_key)  # a write the scheduler expected but no tier here takes
+                self._release(s.slot)  # a write the scheduler expected but no tier here takes
         self.counters.save_us += int((time.perf_counter() - t0) * 1e6)
 
     def close(self) -> None:
@@ -329,41 +329,41 @@ class ConnectorWorker:
 
     def _queue_writes(self, s: BlockSave, block: torch.Tensor, *, released: bool) -> None:
         """Queue ``block`` (``[layers, kv_heads, bs, 2*hs]``) for the disk and remote tiers; when it
-        is a slot (``released``), report its path key once every writer is done reading it."""
-        done = functools.partial(self._release, s.path_key) if released else None
+        is the save's slot (``released``), report the slot once every writer is done reading it."""
+        done = functools.partial(self._release, s.slot) if released else None
         if released:
-            self._hold(s.path_key)  # a guard: a fast writer must not report the key before both are queued
+            self._hold(s.slot)  # a guard: a fast writer must not report the slot before both are queued
         k, v = _to_disk(block)
         if s.to_disk and self.disk is not None:
             if released:
-                self._hold(s.path_key)
+                self._hold(s.slot)
             if self.disk.put(s.path_key, s.parent, s.segment, k, v, NodeStats(1, s.avg_cost, len(s.tokens), 0),
                              tokens=s.tokens, done_reading=done):
                 self.counters.queued_disk += 1
             elif released:
-                self._release(s.path_key)
+                self._release(s.slot)
         if s.to_remote and self.remote is not None:
             if released:
-                self._hold(s.path_key)
+                self._hold(s.slot)
             if self.remote.put(s.path_key, s.parent, s.segment, k, v, s.tokens, s.avg_cost, done_reading=done):
                 self.counters.queued_remote += 1
             elif released:
-                self._release(s.path_key)
+                self._release(s.slot)
         if released:
-            self._release(s.path_key)
+            self._release(s.slot)
 
-    def _hold(self, pkey: str) -> None:
+    def _hold(self, slot: int) -> None:
         with self._lock:
-            self._reading[pkey] = self._reading.get(pkey, 0) + 1
+            self._reading[slot] = self._reading.get(slot, 0) + 1
 
-    def _release(self, pkey: str) -> None:
+    def _release(self, slot: int) -> None:
         with self._lock:
-            left = self._reading.get(pkey, 0) - 1
+            left = self._reading.get(slot, 0) - 1
             if left > 0:
-                self._reading[pkey] = left
+                self._reading[slot] = left
                 return
-            self._reading.pop(pkey, None)
-            self._written.add(pkey)
+            self._reading.pop(slot, None)
+            self._written.add(slot)
 
     def _forget_slot(self, s: BlockSave) -> None:
         """A host save that did not happen: its slot holds nothing, and a write the scheduler is
@@ -371,7 +371,7 @@ class ConnectorWorker:
         if s.slot is not None:
             self._held.pop(s.slot, None)
             if s.to_disk or s.to_remote:
-                self._release(s.path_key)
+                self._release(s.slot)
 
 
 def _rows(t: torch.Tensor) -> np.ndarray:

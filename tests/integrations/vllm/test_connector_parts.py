@@ -310,7 +310,7 @@ def test_host_blocks_live_in_slots_and_a_slot_being_written_is_not_evicted_until
     # both slots wait for their disk writes: nothing can be evicted, so b's blocks are not admitted
     _, plan_b = run_prefill(sched, "b", list(range(50, 59)), [3, 4, 5])
     assert plan_b.host_drops == [] and not any(s.to_host or s.slot is not None for s in plan_b.saves)
-    sched.written([s.path_key for s in plan.saves])  # the worker's writers are done with both slots
+    sched.written([s.slot for s in plan.saves])  # the worker's writers are done with both slots
     _, plan_c = run_prefill(sched, "c", list(range(70, 79)), [6, 7, 8])
     assert len(plan_c.host_drops) == 2 and sorted(s.slot for s in plan_c.saves) == [0, 1]  # slots reused
 
@@ -324,7 +324,7 @@ def test_a_removed_entry_still_being_written_frees_its_slot_only_when_reported()
     assert sched.host_keys() == set()
     _, plan_b = run_prefill(sched, "b", list(range(50, 59)), [3, 4, 5])
     assert not any(s.to_host for s in plan_b.saves)  # their slots are still read by the writers
-    sched.written(keys)
+    sched.written([s.slot for s in plan.saves])
     _, plan_c = run_prefill(sched, "c", list(range(70, 79)), [6, 7, 8])
     assert sorted(s.slot for s in plan_c.saves) == [0, 1]
 
@@ -352,7 +352,7 @@ def test_worker_saves_layer_by_layer_into_slots_and_reports_slots_its_writers_ar
     worker.save(plan)
     assert disk.flush(10)
     written = worker.take_written()
-    assert written == {s.path_key for s in plan.saves} and worker.take_written() == set()
+    assert written == {s.slot for s in plan.saves} and worker.take_written() == set()
     sched.written(written)
     assert worker.host_keys == {s.path_key for s in plan.saves}
     # the slots hold the blocks exactly: load them into other block ids of a fresh KV
@@ -409,3 +409,19 @@ def test_the_scheduler_prices_saved_blocks_with_the_measured_cost() -> None:
     costs = [s.avg_cost for s in plan.saves]
     assert costs[0] == pytest.approx(1.0) and costs == sorted(costs)
     assert costs[2] == pytest.approx(sched.cost.relative_cost(2 * BS)) and costs[2] > 1.0 + 2 * BS / 2048
+
+
+def test_a_block_back_in_a_new_slot_is_not_released_by_its_old_slots_write() -> None:
+    sched = ConnectorScheduler(BS, 100, 300, Path("/nonexistent-disk-tier"), policy="lru")  # 3 slots
+    tokens = list(range(9))
+    _, plan = run_prefill(sched, "a", tokens, [0, 1, 2])
+    old_slots = [s.slot for s in plan.saves]
+    sched.failed([block_path_keys(tokens, BS)[0]])  # both leave while their writes read slots 0 and 1
+    _, again = run_prefill(sched, "a2", tokens, [3, 4, 5])  # recomputed: the first block gets slot 2
+    assert [s.slot for s in again.saves] == [2, None]
+    sched.written(old_slots)  # the old writes are done: slots 0 and 1 are free, slot 2 is still read
+    _, plan_c = run_prefill(sched, "c", list(range(50, 63)), [6, 7, 8, 9])
+    assert sorted(s.slot for s in plan_c.saves if s.slot is not None) == [0, 1] and plan_c.host_drops == []
+    sched.written([2])
+    _, plan_d = run_prefill(sched, "d", list(range(70, 75)), [10, 11])
+    assert plan_d.host_drops and [s.slot for s in plan_d.saves] == [2]  # now slot 2 may go (lru: a2's block)
