@@ -7,7 +7,7 @@ restart.
 
 * **Entries.** One Redis string per node, named ``<prefix>:v<FORMAT>:<fingerprint>:<path key>``,
   holding exactly the disk tier's file bytes (:mod:`ragcache_backend.cache.kv_file`: safetensors,
-  metadata with the token ids, SHA-256 over tensors and tokens). A ``SET`` is atomic, so a reader
+  metadata with the token ids, CRC-32 over tensors and tokens). A ``SET`` is atomic, so a reader
   sees the whole entry or none; ``NX`` makes the first of two replicas writing the same node win
   (both computed the same KV). Another model, dtype or format has another name and fails the
   metadata check besides. An entry that fails a check (truncated, foreign, another token list) is
