@@ -19,6 +19,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
@@ -33,12 +34,25 @@ SUFFIX = ".kv.safetensors"
 _HEADER_CAP = 1 << 20  # a safetensors header of two tensors is < 1 KiB; more is a foreign file
 
 
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a CPU tensor) made contiguous, by numpy when it is strided: torch's copy would open an
+    OpenMP parallel region from the calling thread. Writers call this from their own threads, and
+    there such a region's team contends with the forward pass's threads for the same cores
+    (measured on 2 busy cores: 16 ms for a 737 KB block's two halves, against 0.05 ms by numpy)."""
+    if t.is_contiguous():
+        return t
+    if t.dim() == 0 or t.stride(-1) != 1:
+        return t.contiguous()
+    raw = t.view(torch.uint8).numpy()  # strided bytes: the last dimension is contiguous
+    return torch.from_numpy(np.ascontiguousarray(raw)).view(t.dtype)
+
+
 def kv_digest(k: torch.Tensor, v: torch.Tensor, variant: str = "", tokens: str = "") -> str:
     """CRC-32 (8 hex digits) of the tensors' bytes, then of the token ids' text (if any), then of
     the variant record (if any)."""
     crc = 0
     for t in (k, v):
-        crc = zlib.crc32(memoryview(t.contiguous().view(torch.uint8).numpy()), crc)
+        crc = zlib.crc32(memoryview(dense(t).view(torch.uint8).numpy()), crc)
     if tokens:
         crc = zlib.crc32(b"\x00tokens\x00" + tokens.encode(), crc)
     if variant:
@@ -104,7 +118,7 @@ class KVFileFormat:
 
     def encode(self, header: FileHeader, k: torch.Tensor, v: torch.Tensor) -> bytes:
         """The file's bytes for ``k``, ``v`` (``[layers, tokens, kv_heads, head_dim]``) and ``header``."""
-        k, v = k.contiguous(), v.contiguous()  # once, for the checksum and the file
+        k, v = dense(k), dense(v)  # once, for the checksum and the file
         meta = {"format": str(FORMAT), "fingerprint": self.fingerprint, "path_key": header.path_key,
                 "parent": header.parent, "key": header.key, "num_tokens": str(header.num_tokens),
                 "crc32": kv_digest(k, v, header.variant or "", tokens_text(header.tokens)),
