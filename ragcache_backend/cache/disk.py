@@ -73,9 +73,10 @@ MiB = 1 << 20
 def lower_thread_priority(niceness: int = 10) -> None:
     """Make the calling thread yield the CPU to the engine's (Linux: a thread's own nice value):
     a background writer's checksums and serialisation then never slow a forward pass on a machine
-    with few cores. Not ``SCHED_IDLE``: a writer preempted while it holds the GIL would stall the
-    engine's thread until a core fell idle (measured inside vLLM: cold TTFT 1.3x, single requests
-    2-3x). A no-op where the OS refuses."""
+    with few cores. Not ``SCHED_IDLE``: tried inside vLLM's worker, back-to-back requests got
+    slower (cold-pass TTFT 1.3x vLLM alone, single requests 2-3x), most likely because a writer
+    preempted while holding the GIL stalls the engine's thread until a core falls idle. A no-op
+    where the OS refuses."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
     except (AttributeError, OSError):

@@ -25,7 +25,8 @@ DRIVER = Path(__file__).with_name("vllm_driver.py")
 PASSAGE = ("The knowledge tree keeps the key-value tensors of retrieved documents so that a later request "
            "which retrieves the same documents in the same order skips their prefill. ")
 PROMPT = "".join(f"Passage {i}. {PASSAGE}" for i in range(16)) + "Question: what does the knowledge tree keep?"
-OTHER = "".join(f"Section {i}. {PASSAGE[::-1]}" for i in range(16)) + "Question: what does section 3 say?"
+OTHER = "".join(f"Section {i}. The disk tier keeps checksummed files of key-value blocks, so that an engine "
+                "started again finds what it computed before. " for i in range(16)) + "Question: what does section 3 say?"
 
 
 def _require_vllm() -> None:
