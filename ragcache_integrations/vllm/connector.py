@@ -46,7 +46,7 @@ from ragcache_integrations.vllm import SUPPORTED_VLLM
 from ragcache_integrations.vllm.cost import StepSample
 from ragcache_integrations.vllm.plan import StepPlan, host_slots
 from ragcache_integrations.vllm.scheduler import ConnectorScheduler, RequestView, ScheduledRequest
-from ragcache_integrations.vllm.settings import ConnectorSettings, settings_from_extra_config
+from ragcache_integrations.vllm.settings import ConnectorSettings, check_world_size, settings_from_extra_config
 from ragcache_integrations.vllm.worker import ConnectorWorker, disk_layout
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -196,7 +196,8 @@ class RAGCacheConnector(KVConnectorBase_V1):
 
     Raises (when vLLM creates it):
         UnsupportedVllmError: an unsupported vLLM version.
-        InvalidRequestError: a bad ``kv_connector_extra_config`` key or value.
+        InvalidRequestError: a bad ``kv_connector_extra_config`` key or value, or more than one
+            worker (tensor or pipeline parallelism).
         KVLayoutError: (worker) vLLM's KV tensors are not in the CPU layout.
     """
 
@@ -211,6 +212,7 @@ class RAGCacheConnector(KVConnectorBase_V1):
         self.fingerprint = model_fingerprint(vllm_config, self.block_size)
         mc = vllm_config.model_config
         pc = vllm_config.parallel_config
+        check_world_size(pc.tensor_parallel_size, pc.pipeline_parallel_size)
         self._layout = (mc.get_num_layers(pc), mc.get_num_kv_heads(pc), mc.get_head_size())  # as the disk tier's
         self._kv_dtype = mc.dtype if vllm_config.cache_config.cache_dtype == "auto" else torch.uint8
         layers, kv_heads, head_size = self._layout

@@ -16,7 +16,7 @@ from ragcache_backend.config import MiB
 from ragcache_backend.errors import InvalidRequestError
 from ragcache_backend.server.settings import CacheSettings
 
-__all__ = ["ConnectorSettings", "settings_from_extra_config"]
+__all__ = ["ConnectorSettings", "check_world_size", "settings_from_extra_config"]
 
 
 class ConnectorSettings(CacheSettings):
@@ -33,6 +33,18 @@ class ConnectorSettings(CacheSettings):
     def disk_enabled(self) -> bool:
         """Whether the disk tier is on (enabled and a budget above 0)."""
         return self.disk_dir is not None and self.disk_budget_mib > 0
+
+
+def check_world_size(tensor_parallel: int, pipeline_parallel: int) -> None:
+    """Refuse more than one worker: each would hold part of every block (its KV heads or its
+    layers) under the same path key, and one rank's part would be served to another.
+
+    Raises:
+        InvalidRequestError: tensor or pipeline parallelism above 1.
+    """
+    if tensor_parallel != 1 or pipeline_parallel != 1:
+        raise InvalidRequestError(f"RAGCacheConnector supports one vLLM worker so far (tensor_parallel_size=1, "
+                                  f"pipeline_parallel_size=1); this engine has {tensor_parallel} x {pipeline_parallel}")
 
 
 def settings_from_extra_config(extra: dict[str, Any] | None) -> ConnectorSettings:

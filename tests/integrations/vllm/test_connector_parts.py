@@ -12,7 +12,7 @@ import torch
 from ragcache_backend.cache.disk import DiskStore, entry_file, store_folder
 from ragcache_integrations.vllm.plan import StepPlan, block_path_keys
 from ragcache_integrations.vllm.scheduler import ConnectorScheduler, RequestView, ScheduledRequest
-from ragcache_integrations.vllm.settings import settings_from_extra_config
+from ragcache_integrations.vllm.settings import check_world_size, settings_from_extra_config
 from ragcache_integrations.vllm.worker import ConnectorWorker, KVLayoutError, _from_disk, _to_disk, disk_layout
 from ragcache_backend.errors import InvalidRequestError
 
@@ -425,3 +425,11 @@ def test_a_block_back_in_a_new_slot_is_not_released_by_its_old_slots_write() -> 
     sched.written([2])
     _, plan_d = run_prefill(sched, "d", list(range(70, 75)), [10, 11])
     assert plan_d.host_drops and [s.slot for s in plan_d.saves] == [2]  # now slot 2 may go (lru: a2's block)
+
+
+def test_more_than_one_vllm_worker_is_refused() -> None:
+    check_world_size(1, 1)
+    with pytest.raises(InvalidRequestError, match="one vLLM worker"):
+        check_world_size(2, 1)
+    with pytest.raises(InvalidRequestError, match="1 x 2"):
+        check_world_size(1, 2)
