@@ -40,6 +40,17 @@ def run_prefill(sched: ConnectorScheduler, req: str, tokens: list[int], block_id
     return ext, plan
 
 
+def disk_worker(tmp_path, seed: int, slots: int):
+    """vLLM-like KV tensors, a real disk tier, a scheduler side with ``slots`` host blocks, and a
+    worker registered over them."""
+    src = kv_tensors(seed=seed)
+    disk = DiskStore(tmp_path, "fp", disk_layout((HEADS, BS, 2 * HS), LAYERS), torch.float32, 1 << 30)
+    sched = ConnectorScheduler(BS, BLOCK_BYTES, slots * BLOCK_BYTES, store_folder(tmp_path, "fp"))
+    worker = ConnectorWorker(BS, disk, host_slots=sched.num_slots)
+    worker.register(src)
+    return src, disk, sched, worker
+
+
 def test_block_keys_chain_and_salt() -> None:
     a = block_path_keys(list(range(10)), BS)
     assert len(a) == 2  # full blocks only
@@ -135,15 +146,17 @@ def test_block_disk_format_round_trips_bytes() -> None:
 
 
 def test_worker_saves_and_loads_blocks_exactly_through_host_and_disk(tmp_path) -> None:
-    src = kv_tensors(seed=1)
-    disk = DiskStore(tmp_path, "fp", disk_layout((HEADS, BS, 2 * HS), LAYERS), torch.float32, 1 << 30)
-    sched = ConnectorScheduler(BS, BLOCK_BYTES, 64 * BLOCK_BYTES, store_folder(tmp_path, "fp"))
-    worker = ConnectorWorker(BS, disk, host_slots=sched.num_slots)
-    worker.register(src)
+    src, disk, sched, worker = disk_worker(tmp_path, seed=1, slots=64)
     tokens = list(range(13))
     _, plan = run_prefill(sched, "a", tokens, [2, 5, 7, 1])
+    assert worker.load(plan).failed_block_ids == set()
+    worker.save_layer(plan, list(src)[1])  # as vLLM's save_kv_layer, for some layers; save() does the rest
     worker.save(plan)
-    disk.flush(10)
+    assert disk.flush(10)
+    # the writers encoded the blocks from their host slots and are done with them: reported once
+    written = worker.take_written()
+    assert written == {s.slot for s in plan.saves} and worker.take_written() == set()
+    sched.written(written)
     # a fresh vLLM KV (another process after a restart: only the disk tier is left)
     dst = {name: torch.zeros_like(t) for name, t in src.items()}
     worker2 = ConnectorWorker(BS, DiskStore(tmp_path, "fp", disk.layout, torch.float32, 1 << 30))
@@ -336,43 +349,6 @@ def test_blocks_pinned_by_a_load_are_evictable_again_after_the_step() -> None:
     run_prefill(sched, "b", toks, [3, 4, 5])  # loads (pins) both, then unpins them
     _, plan = run_prefill(sched, "c", list(range(50, 59)), [6, 7, 8])
     assert len(plan.host_drops) == 2 and all(s.to_host for s in plan.saves)
-
-
-def test_worker_saves_layer_by_layer_into_slots_and_reports_slots_its_writers_are_done_with(tmp_path) -> None:
-    src = kv_tensors(seed=5)
-    disk = DiskStore(tmp_path, "fp", disk_layout((HEADS, BS, 2 * HS), LAYERS), torch.float32, 1 << 30)
-    sched = ConnectorScheduler(BS, BLOCK_BYTES, 8 * BLOCK_BYTES, store_folder(tmp_path, "fp"))
-    worker = ConnectorWorker(BS, disk, host_slots=sched.num_slots)
-    worker.register(src)
-    tokens = list(range(13))
-    _, plan = run_prefill(sched, "a", tokens, [2, 5, 7, 1])
-    assert worker.load(plan).failed_block_ids == set()
-    names = list(src)
-    worker.save_layer(plan, names[1])  # as vLLM's save_kv_layer, for some layers; save() does the rest
-    worker.save(plan)
-    assert disk.flush(10)
-    written = worker.take_written()
-    assert written == {s.slot for s in plan.saves} and worker.take_written() == set()
-    sched.written(written)
-    assert worker.host_keys == {s.path_key for s in plan.saves}
-    # the slots hold the blocks exactly: load them into other block ids of a fresh KV
-    dst = {name: torch.zeros_like(t) for name, t in src.items()}
-    worker.register(dst)
-    _, plan2 = run_prefill(sched, "b", tokens, [3, 4, 6, 8])
-    assert {ld.tier for ld in plan2.loads} == {"host"}
-    assert worker.load(plan2).failed_block_ids == set()
-    for name in names:
-        assert torch.equal(dst[name][[3, 4, 6]], src[name][[2, 5, 7]])
-    # ... and so do the files the writers encoded from the slots
-    dst2 = {name: torch.zeros_like(t) for name, t in src.items()}
-    worker2 = ConnectorWorker(BS, DiskStore(tmp_path, "fp", disk.layout, torch.float32, 1 << 30))
-    worker2.register(dst2)
-    _, plan3 = run_prefill(ConnectorScheduler(BS, BLOCK_BYTES, 0, store_folder(tmp_path, "fp")), "c", tokens, [9, 10, 11, 12])
-    assert {ld.tier for ld in plan3.loads} == {"disk"} and worker2.load(plan3).failed_block_ids == set()
-    for name in names:
-        assert torch.equal(dst2[name][[9, 10, 11]], src[name][[2, 5, 7]])
-    worker.close()
-    worker2.close()
 
 
 def test_block_cost_is_fitted_from_timed_steps_relative_to_a_first_block() -> None:
