@@ -74,6 +74,17 @@ class StepResult:
     failed_keys: set[str] = field(default_factory=set)
 
 
+@dataclass(slots=True)
+class _HostCopies:
+    """One plan's host saves as the worker copies them into their slots, layer by layer."""
+
+    plan: StepPlan
+    saves: list[BlockSave]
+    block_ids: list[int]
+    slots: list[int]
+    layers_done: set[int] = field(default_factory=set)
+
+
 class ConnectorWorker:
     """Moves blocks for the scheduler side's plans (see the module docstring).
 
@@ -106,8 +117,7 @@ class ConnectorWorker:
         self._rows: list[np.ndarray] = []  # CPU: each layer as [num_blocks, block bytes] (a view, no copy)
         self._arena_rows: list[np.ndarray] = []  # CPU: each arena layer as [host_slots, block bytes]
         self._failed_reqs: set[str] = set()  # requests whose load failed in the current step
-        self._saving: StepPlan | None = None  # the plan whose host copies save_layer has started
-        self._saved_layers: set[int] = set()
+        self._copies: _HostCopies | None = None  # the current plan's host saves, layer by layer
         self._lock = threading.Lock()  # guards the two below (writer threads call _release)
         self._reading: dict[int, int] = {}  # slot -> writers still reading it
         self._written: set[int] = set()  # slots the writers are done with
@@ -169,7 +179,7 @@ class ConnectorWorker:
             self._held = {slot: held for slot, held in self._held.items() if held[0] not in dropped}
         result = StepResult()
         self._failed_reqs = set()
-        self._saving, self._saved_layers = None, set()
+        self._copies = None
         if not plan.loads:
             return result
         t0 = time.perf_counter()
@@ -231,13 +241,11 @@ class ConnectorWorker:
         i = self._layer_index.get(layer_name)
         if i is None or not self.host_slots:
             return
-        if self._saving is not plan:
-            self._saving, self._saved_layers = plan, set()
-        if i in self._saved_layers:
+        copies = self._host_copies(plan)
+        if i in copies.layers_done:
             return
         t0 = time.perf_counter()
-        self._copy_to_slots(i, self._host_saves(plan))
-        self._saved_layers.add(i)
+        self._copy_to_slots(i, copies)
         self.counters.save_us += int((time.perf_counter() - t0) * 1e6)
 
     def save(self, plan: StepPlan) -> None:
@@ -251,15 +259,15 @@ class ConnectorWorker:
         for s in skipped:
             self._forget_slot(s)
         if not saves:
-            self._saving, self._saved_layers = None, set()
+            self._copies = None
             return
         t0 = time.perf_counter()
-        host = self._host_saves(plan)
-        done = self._saved_layers if self._saving is plan else set()
+        copies = self._host_copies(plan)
         for i in range(len(self._layers)):
-            if i not in done:
-                self._copy_to_slots(i, host)
-        self._saving, self._saved_layers = None, set()
+            if i not in copies.layers_done:
+                self._copy_to_slots(i, copies)
+        self._copies = None
+        host = copies.saves
         in_slot = {s.path_key for s in host}
         for s in saves:
             if s.path_key in in_slot:
@@ -287,14 +295,19 @@ class ConnectorWorker:
             self.remote.close()
 
     # ---- internals ----------------------------------------------------------------------------------
-    def _host_saves(self, plan: StepPlan) -> list[BlockSave]:
-        return [s for s in plan.saves if s.slot is not None and 0 <= s.slot < self.host_slots
-                and s.req_id not in self._failed_reqs]
+    def _host_copies(self, plan: StepPlan) -> _HostCopies:
+        """The plan's host saves (once per plan, not once per layer): blocks with a slot the arena
+        has, of requests whose loads did not fail."""
+        if self._copies is None or self._copies.plan is not plan:
+            saves = [s for s in plan.saves if s.slot is not None and 0 <= s.slot < self.host_slots
+                     and s.req_id not in self._failed_reqs]
+            self._copies = _HostCopies(plan, saves, [s.block_id for s in saves], [s.slot for s in saves])
+        return self._copies
 
-    def _copy_to_slots(self, i: int, saves: list[BlockSave]) -> None:
-        if saves:
-            self._copy_blocks(self._layers[i], [s.block_id for s in saves], self._arena[i], [s.slot for s in saves], i,
-                              from_arena=False)
+    def _copy_to_slots(self, i: int, copies: _HostCopies) -> None:
+        if copies.saves:
+            self._copy_blocks(self._layers[i], copies.block_ids, self._arena[i], copies.slots, i, from_arena=False)
+        copies.layers_done.add(i)
 
     def _copy_blocks(self, layer: torch.Tensor, block_ids: list[int], arena: torch.Tensor, slots: list[int], i: int,
                      *, from_arena: bool) -> None:
