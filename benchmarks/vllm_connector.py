@@ -45,6 +45,7 @@ overhead <= 3%.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
 import random
@@ -60,7 +61,7 @@ import httpx
 from bench_client import SERVED, Server, cpu_info, failure, log_tail, measure, start_vllm, versions
 from benchmark_report import write_report  # benchmarks/ is on sys.path when a script runs
 from chat_traces import rag_trace, write_jsonl
-from serve_load import ROOT, free_port, metrics_values
+from serve_load import ROOT, free_port, metrics_values, one_request
 
 MiB = 1 << 20
 SYSTEMS = ("vllm", "vllm+ragcache", "vllm+offloading", "vllm+lmcache")
@@ -149,19 +150,22 @@ def run_pass(server: Server, label: str, spec: dict, args, out_dir: Path) -> dic
 
 
 def stream_ttft_ms(base: str, messages: list[dict], max_tokens: int) -> float:
-    """One streamed chat request; milliseconds until its first content chunk."""
-    t0 = time.perf_counter()
-    first = None
-    with httpx.stream("POST", base + "/v1/chat/completions", timeout=600,
-                      json={"model": SERVED, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                            "stream": True}) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if first is None and line.startswith("data: ") and '"content"' in line:
-                first = time.perf_counter() - t0
-    if first is None:
+    """One streamed chat request (``serve_load.one_request``); milliseconds until its first content chunk.
+
+    Raises:
+        RuntimeError: the request failed, or the stream ended without content.
+    """
+    async def one() -> dict:
+        async with httpx.AsyncClient(timeout=600) as client:
+            return await one_request(client, base + "/v1/chat/completions", SERVED, {"messages": messages},
+                                     max_tokens, False, time.perf_counter())
+
+    res = asyncio.run(one())
+    if "error" in res:
+        raise RuntimeError(res["error"])
+    if not res["completion_tokens"]:
         raise RuntimeError("the stream ended without content")
-    return first * 1000
+    return res["ttft_s"] * 1000
 
 
 def miss_pass(alone: Server, ours: Server, rows: list[dict], args) -> dict:
