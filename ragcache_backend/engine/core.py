@@ -41,7 +41,7 @@ from ragcache_backend.engine.request import Request, RequestMetrics
 from ragcache_backend.engine.setup import EngineParts
 from ragcache_backend.errors import CacheBudgetError, InvalidRequestError, RAGCacheError, RequestCancelledError
 from ragcache_backend.model.forward import StepOutput
-from ragcache_backend.model.sampling import sample_token
+from ragcache_backend.model.sampling import choose_token
 from ragcache_backend.prompts.builder import PromptPlan, Segment, plan_prompt
 
 log = logging.getLogger("ragcache_backend.engine.engine")
@@ -91,6 +91,7 @@ class EngineCore:
         self.prompts = parts.prompts
         self.scheduler = parts.scheduler
         self.stop_ids = parts.stop_ids
+        self.grammars = parts.grammars
         self.store = store
         self.stats = EngineStats()
         self._rule = parts.config.recompute_rule()
@@ -362,13 +363,15 @@ class EngineCore:
     # ---- tokens and results ----------------------------------------------------------------------
     def _after_token(self, req: Request, logits: torch.Tensor) -> None:
         try:
-            token = sample_token(logits, req.sampling, req.generator)
-            reason = req.accept(token, self.stop_ids)
+            allowed = req.matcher.allowed(logits.shape[-1]) if req.matcher is not None else None
+            choice = choose_token(logits, req.sampling, req.generator, prompt_ids=req.penalty_ids,
+                                  generated=req.generated, allowed=allowed)
+            reason = req.accept(choice, self.stop_ids)
         except Exception as exc:  # e.g. the caller's on_text raised
             self._fail(req, exc)
             return
         if reason is None:
-            req.next_token = token
+            req.next_token = choice.token
             return
         m = req.handle.metrics
         try:

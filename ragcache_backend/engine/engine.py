@@ -186,8 +186,9 @@ class RAGCacheEngine(EngineCore):
                 included); None or "" = the shared, unsalted cache.
 
         Raises (at once, nothing queued):
-            InvalidRequestError: no segments, or an unknown reuse mode. ContextWindowError.
-            EngineClosedError.
+            InvalidRequestError: no segments, an unknown reuse mode, a ``logit_bias`` token id
+                outside the vocabulary. GrammarError: ``sampling.grammar`` does not compile.
+            ContextWindowError. EngineClosedError.
         """
         sampling = sampling or SamplingParams()
         if not segments:
@@ -202,6 +203,12 @@ class RAGCacheEngine(EngineCore):
         self.check_window(segments, sampling)
         if self._closing:
             raise EngineClosedError("the engine is closed")
+        vocab = self.runner.vocab_size
+        if sampling.logit_bias and sampling.logit_bias[-1][0] >= vocab:
+            raise InvalidRequestError(f"logit_bias token id {sampling.logit_bias[-1][0]} is outside the "
+                                      f"vocabulary of {vocab} tokens")
+        matcher = self.grammars.matcher(sampling.grammar) if sampling.grammar is not None else None
+        penalty_ids = (tuple(t for s in segments for t in s.token_ids) if sampling.repetition_penalty != 1.0 else ())
         rid = next(self._ids)
         handle = RequestHandle(rid, self.cancel)
         seed = sampling.seed
@@ -211,6 +218,7 @@ class RAGCacheEngine(EngineCore):
             text=IncrementalText(self.loaded.tokenizer, sampling.stop), cancel=cancel or threading.Event(),
             keep_logits=keep_logits, reuse=mode, recompute=recompute or self._rule, store=store,
             generator=torch.Generator().manual_seed(seed) if seed is not None else None,
+            matcher=matcher, penalty_ids=penalty_ids,
         )
         self._enqueue(req)
         return handle

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Literal
 
 from ragcache_backend.cache.chunk_reuse import RecomputeRule
 from ragcache_backend.cache.lease import Lease
-from ragcache_backend.model.sampling import SamplingParams
+from ragcache_backend.model.grammar import GrammarMatcher
+from ragcache_backend.model.sampling import SampledToken, SamplingParams
 from ragcache_backend.prompts.builder import PromptPlan, Segment
 from ragcache_backend.prompts.detokenizer import IncrementalText
 
@@ -71,6 +72,8 @@ class GenerationResult:
             that were terminated because the candidates changed.
         speculation_kept: the answer is the speculative generation started during the search
             (its documents were the final ones); False when it was (re)generated after the search.
+        logprobs: with ``SamplingParams.logprobs``: one entry per token of ``token_ids`` (its
+            log-probability and the top alternatives); empty otherwise.
     """
 
     answer: str
@@ -98,6 +101,7 @@ class GenerationResult:
     speculative_requests: int = 0
     wasted_tokens: int = 0
     speculation_kept: bool = False
+    logprobs: tuple[SampledToken, ...] = ()
 
 
 @dataclass(slots=True, frozen=True)
@@ -205,6 +209,9 @@ class Request:
         layout: how the prefill's rows map to the lease's pieces
             (:class:`~ragcache_backend.engine.batch.ChunkLayout`).
         retried: the request failed before its first token and runs again by recomputation.
+        matcher: the grammar's state (constrained decoding), or None.
+        penalty_ids: the prompt's token ids when a repetition penalty needs them, else empty.
+        logprobs: the sampled tokens with their log-probabilities (``sampling.logprobs`` set).
     """
 
     rid: int
@@ -231,6 +238,9 @@ class Request:
     deviation: float = 0.0
     layout: object | None = None
     retried: bool = False
+    matcher: GrammarMatcher | None = None
+    penalty_ids: tuple[int, ...] = ()
+    logprobs: list[SampledToken] = field(default_factory=list)
 
     @property
     def prompt_tokens(self) -> int:
@@ -241,23 +251,34 @@ class Request:
         """Prompt tokens past the lead (always computed)."""
         return len(self.plan.rest)
 
-    def accept(self, token: int, stop_ids: frozenset[int]) -> FinishReason | None:
-        """Take one sampled token: emit its text; return why the request ends, or None to go on.
+    def accept(self, choice: SampledToken, stop_ids: frozenset[int]) -> FinishReason | None:
+        """Take one sampled token: follow it in the grammar, emit its text; return why the
+        request ends, or None to go on. A complete grammar ends the request (``stop``).
 
-        Raises whatever ``on_text`` raises (the caller's callback).
+        Raises whatever ``on_text`` raises (the caller's callback); GrammarError when the grammar
+        refuses the token.
         """
-        text, on_text = self.text, self.on_text
+        text, on_text, token = self.text, self.on_text, choice.token
         if token in stop_ids:
             tail = text.flush()
             if tail:
                 on_text(tail)
             return "stop"
+        if self.matcher is not None:
+            self.matcher.advance(token)
         self.generated.append(token)
+        if choice.logprob is not None:
+            self.logprobs.append(choice)
         self.handle.metrics.generated_tokens = len(self.generated)
         delta = text.push(token)
         if delta:
             on_text(delta)
         if text.stopped:
+            return "stop"
+        if self.matcher is not None and self.matcher.done:
+            tail = text.flush()
+            if tail:
+                on_text(tail)
             return "stop"
         if len(self.generated) >= self.sampling.max_tokens:
             tail = text.flush()
@@ -290,4 +311,5 @@ class Request:
             chunk_hits=lease.chunk_hits if lease else 0,
             guarded_chunks=self.guarded,
             chunk_deviation=self.deviation,
+            logprobs=tuple(self.logprobs),
         )

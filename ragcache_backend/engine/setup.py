@@ -25,6 +25,7 @@ from ragcache_backend.cache.tiers import TieredCache
 from ragcache_backend.config import EngineConfig, ragcache_home
 from ragcache_backend.engine.scheduler import Scheduler, SchedulerConfig
 from ragcache_backend.errors import CacheBudgetError
+from ragcache_backend.model.grammar import GrammarCompiler
 from ragcache_backend.model.loader import LoadedModel, load_model
 from ragcache_backend.model.runner import ModelRunner, kv_bytes_per_token
 from ragcache_backend.prompts.builder import PromptBuilder
@@ -47,6 +48,7 @@ class EngineParts:
         prompts: segments the prompts (system prompt, documents, question).
         scheduler: continuous batching and cache-aware reordering (RAGCache §5.2).
         stop_ids: token ids that end generation.
+        grammars: compiles the requests' grammars (constrained decoding) against the tokenizer.
     """
 
     config: EngineConfig
@@ -57,6 +59,7 @@ class EngineParts:
     prompts: PromptBuilder
     scheduler: Scheduler
     stop_ids: frozenset[int]
+    grammars: GrammarCompiler
 
 
 def build_parts(config: EngineConfig, *, loaded: LoadedModel | None = None, profile: PrefillProfile | None = None,
@@ -92,8 +95,9 @@ def build_parts(config: EngineConfig, *, loaded: LoadedModel | None = None, prof
     runner.sample_stat_layers(cfg.chunk_stat_layers)
     sched = Scheduler(scheduler or SchedulerConfig(max_batch_size=cfg.max_batch_size, max_batch_tokens=cfg.max_batch_tokens,
                                                    reorder=cfg.reorder, window=cfg.reorder_window))
+    stop_ids = stop_token_ids(loaded)
     return EngineParts(cfg, loaded, runner, cache, profile, PromptBuilder(loaded.tokenizer, cfg.system_prompt), sched,
-                       stop_token_ids(loaded))
+                       stop_ids, GrammarCompiler(loaded.tokenizer, stop_ids, len(loaded.tokenizer)))
 
 
 def load_or_measure_profile(cfg: EngineConfig, loaded: LoadedModel, runner: ModelRunner) -> PrefillProfile:

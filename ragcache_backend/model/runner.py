@@ -111,6 +111,11 @@ class ModelRunner:
         return self.arena.block_bytes
 
     @property
+    def vocab_size(self) -> int:
+        """Width of a logits row (the model's vocabulary, tokens)."""
+        return self.layers.vocab_size
+
+    @property
     def kv_layout(self) -> tuple[int, int, int]:
         """``(layers, kv_heads, head_dim)``: the shape of one token's K (or V) across layers."""
         return self.arena.kv_layout

@@ -28,12 +28,13 @@ from pathlib import Path
 from ragcache_backend.engine.engine import RAGCacheEngine
 from ragcache_backend.errors import CorruptFileError, InvalidRequestError
 from ragcache_backend.prompts.recognition import ChatTurn, DocumentRecognizer, PromptSegmenter, SegmentedPrompt
+from ragcache_backend.prompts.tools import ToolError, render_tool_calls, render_tool_result
 from ragcache_backend.retrieval.documents import Document, content_id
 from ragcache_backend.server.errors import APIError
 from ragcache_backend.server.schema import ChatMessage, ExplicitDocument
 
 __all__ = ["LearnedDocuments", "PassedDocument", "PromptAssembler", "chat_turns", "index_folder",
-           "load_index_documents", "passed_documents", "with_documents", "with_documents_raw"]
+           "load_index_documents", "passed_documents", "with_documents", "with_documents_raw", "with_tools"]
 
 log = logging.getLogger(__name__)
 
@@ -66,16 +67,19 @@ def passed_documents(items: Sequence[str | ExplicitDocument] | None) -> list[Pas
 
 
 def chat_turns(messages: Sequence[ChatMessage]) -> list[ChatTurn]:
-    """Messages as plain-text turns (text parts joined).
+    """Messages as plain-text turns (text parts joined). An assistant's ``tool_calls`` become the
+    calls as the model writes them, a ``tool`` message a ``<tool_response>`` in a user turn
+    (:mod:`ragcache_backend.prompts.tools`).
 
     Raises:
-        APIError: 400 for a non-text content part, or a message carrying tool or function calls.
+        APIError: 400 for a non-text content part, a legacy ``function_call``, or tool calls that
+            cannot be rendered (no function name, arguments not a JSON object).
     """
     turns = []
     for i, message in enumerate(messages):
-        if message.tool_calls or message.function_call:
-            raise APIError(400, f"message {i} carries tool calls; this server has no tool calling",
-                           param=f"messages[{i}].tool_calls")
+        if message.function_call:
+            raise APIError(400, f"message {i} carries a legacy function_call; use tool_calls",
+                           param=f"messages[{i}].function_call")
         content = message.content
         if isinstance(content, list):
             parts = []
@@ -85,8 +89,30 @@ def chat_turns(messages: Sequence[ChatMessage]) -> list[ChatTurn]:
                                    param=f"messages[{i}].content[{j}]", code="unsupported_content")
                 parts.append(part.text)
             content = "".join(parts)
-        turns.append(ChatTurn(_ROLES.get(message.role, message.role), content or ""))
+        content = content or ""
+        role = _ROLES.get(message.role, message.role)
+        if message.tool_calls:
+            if message.role != "assistant":
+                raise APIError(400, f"message {i}: only assistant messages carry tool_calls",
+                               param=f"messages[{i}].tool_calls")
+            try:
+                calls = render_tool_calls(message.tool_calls)
+            except ToolError as exc:
+                raise APIError(400, f"message {i}: {exc}", param=f"messages[{i}].tool_calls") from None
+            content = f"{content}\n{calls}" if content else calls
+        if role == "tool":
+            role, content = "user", render_tool_result(content)
+        turns.append(ChatTurn(role, content))
     return turns
+
+
+def with_tools(turns: list[ChatTurn], instructions: str) -> list[ChatTurn]:
+    """``turns`` with the tools' instructions at the end of the first system turn (one is added
+    when there is none)."""
+    if turns and turns[0].role == "system":
+        return [ChatTurn("system", f"{turns[0].content}\n\n{instructions}" if turns[0].content else instructions),
+                *turns[1:]]
+    return [ChatTurn("system", instructions), *turns]
 
 
 def with_documents(turns: list[ChatTurn], documents: Sequence[PassedDocument]) -> list[ChatTurn]:

@@ -4,29 +4,49 @@ Requests accept every field the ``openai`` client and the LangChain / LlamaIndex
 send; a field of an unsupported feature is accepted only at its default ("off") value, and
 :meth:`ChatCompletionRequest.unsupported` names the first one that is not. Unknown fields are
 refused (``extra="forbid"``). ragcache's own extensions: ``documents``, ``reuse``, ``cache_salt``
-in requests; the ``ragcache`` object in responses. Two vLLM extensions are honoured so that a
-client written for vLLM (our adapters' ``base_url=`` mode among them) works unchanged:
-``return_token_ids`` (the generated token ids in ``choices[].token_ids``; streamed, all of them in
-the chunk that carries ``finish_reason``, where vLLM sends each chunk's own) and
-``kv_transfer_params`` (a KV connector's per-request parameters: accepted and ignored, as this
-server's cache is built in).
+in requests; the ``ragcache`` object in responses.
+
+vLLM's extensions are honoured so that a client written for vLLM (our adapters' ``base_url=``
+mode among them) works unchanged: the sampling fields ``top_k``, ``min_p``,
+``repetition_penalty``; ``structured_outputs`` (``json``, ``json_object``, ``regex``, ``choice``,
+``grammar``: a Lark grammar); ``return_token_ids`` (the generated token ids in
+``choices[].token_ids``; streamed, all of them in the chunk that carries ``finish_reason``, where
+vLLM sends each chunk's own); ``kv_transfer_params`` (a KV connector's per-request parameters:
+accepted and ignored, as this server's cache is built in). Accepted and ignored because they
+change nothing here: ``request_id``, ``priority`` (no priority scheduling; every request is
+first come, first served), ``spaces_between_special_tokens`` (special tokens are never in the
+text), ``chat_template_kwargs`` (the supported models' templates take none). Accepted only at
+their defaults: ``skip_special_tokens`` (true), ``min_tokens`` (0), ``ignore_eos`` (false),
+``include_stop_str_in_output`` (false), ``add_generation_prompt`` (true), ``echo`` (false),
+``prompt_logprobs`` (none).
+
+Streaming differences (documented, as for ``token_ids``): ``logprobs`` of a streamed answer come
+in the chunk that carries ``finish_reason``; a streamed answer with ``tools`` (``tool_choice``
+other than ``none``) is sent whole in that chunk, as content or as ``tool_calls``, since whether
+the model wrote a call is known only at the end.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ragcache_backend.engine.request import GenerationResult
+from ragcache_backend.model.sampling import MAX_LOGPROBS
 from ragcache_backend.prompts.builder import MAX_SALT_CHARS  # the longest salt a segment accepts
 
+#: The most choices (``n``) one request may ask for.
+MAX_CHOICES = 16
+
 __all__ = [
-    "ChatChoice", "ChatCompletion", "ChatCompletionChunk", "ChatCompletionRequest", "ChatMessage",
-    "ChunkChoice", "CompletionChoice", "CompletionChunk", "CompletionRequest", "CompletionResponse",
-    "DeltaMessage", "ErrorBody", "ErrorResponse", "ExplicitDocument", "HealthResponse", "ModelCard",
-    "ModelList", "PromptTokensDetails", "RAGCacheInfo", "ResponseMessage", "StreamOptions", "TextPart",
-    "Usage",
+    "ChatChoice", "ChatCompletion", "ChatCompletionChunk", "ChatCompletionRequest", "ChatLogprobs",
+    "ChatMessage", "ChunkChoice", "CompletionChoice", "CompletionChunk", "CompletionLogprobs",
+    "CompletionRequest", "CompletionResponse", "DeltaMessage", "ErrorBody", "ErrorResponse",
+    "ExplicitDocument", "FunctionCall", "HealthResponse", "MAX_CHOICES", "ModelCard", "ModelList",
+    "PromptTokensDetails", "RAGCacheInfo", "ResponseMessage", "StreamOptions", "TextPart", "TokenLogprob",
+    "ToolCallDelta", "ToolCallOut", "TopTokenLogprob", "Usage",
 ]
 
 
@@ -84,9 +104,9 @@ class _GenerationFields(_Strict):
     seed: int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # ragcache extensions
@@ -94,20 +114,44 @@ class _GenerationFields(_Strict):
     reuse: Literal["exact", "chunk", "auto"] | None = None
     cache_salt: str | None = Field(None, max_length=MAX_SALT_CHARS)
     # vLLM extensions
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    structured_outputs: dict[str, Any] | None = None
     return_token_ids: bool | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    request_id: str | None = None
+    priority: int | None = None
+    spaces_between_special_tokens: bool | None = None
+    skip_special_tokens: bool | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    prompt_logprobs: int | None = None
 
     def _common_unsupported(self) -> tuple[str, str] | None:
-        if self.n not in (None, 1):
-            return "n", "only n=1 is supported"
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                return name, f"{name} is not supported (only 0)"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
         if isinstance(self.stop, list) and len(self.stop) > 4:
             return "stop", "at most 4 stop sequences"
+        defaults = {"skip_special_tokens": True, "min_tokens": 0, "ignore_eos": False,
+                    "include_stop_str_in_output": False, "prompt_logprobs": None}
+        for name, default in defaults.items():
+            value = getattr(self, name)
+            if value is not None and value != default:
+                return name, f"{name} is only accepted at its default ({default})"
         return None
+
+    @property
+    def token_bias(self) -> dict[int, float]:
+        """``logit_bias`` with token-id keys.
+
+        Raises:
+            ValueError: a key that is not a token id (the service answers 400)."""
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+            bias[int(key)] = value
+        return bias
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -126,7 +170,7 @@ class ChatCompletionRequest(_GenerationFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -144,24 +188,29 @@ class ChatCompletionRequest(_GenerationFields):
     verbosity: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+    # vLLM extensions (chat only)
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None
+    echo: bool | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         """``(field, message)`` of the first field set to a value this server cannot honour."""
         common = self._common_unsupported()
         if common:
             return common
-        if self.logprobs:
-            return "logprobs", "logprobs are not supported"
-        if self.top_logprobs:
-            return "top_logprobs", "logprobs are not supported"
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format", "only response_format type 'text' is supported"
-        if self.tools or self.functions:
-            return ("tools" if self.tools else "functions"), "tool calling is not supported"
-        for name in ("tool_choice", "function_call"):
-            value = getattr(self, name)
-            if value is not None and value not in ("none", "auto"):
-                return name, "tool calling is not supported"
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs=true"
+        if self.functions or self.function_call not in (None, "none", "auto"):
+            return ("functions" if self.functions else "function_call"), \
+                "the legacy functions API is not supported; use tools and tool_choice"
+        if self.response_format and self.tools and self.tool_choice not in (None, "none"):
+            return "response_format", "response_format and tools cannot both constrain one answer"
+        if self.response_format and self.structured_outputs:
+            return "structured_outputs", "give either response_format or structured_outputs"
+        if self.add_generation_prompt is False:
+            return "add_generation_prompt", "add_generation_prompt is only accepted at its default (true)"
+        if self.echo:
+            return "echo", "echo is not supported"
         if self.modalities and set(self.modalities) != {"text"}:
             return "modalities", "only the text modality is supported"
         for name in ("audio", "prediction", "web_search_options"):
@@ -183,7 +232,7 @@ class CompletionRequest(_GenerationFields):
     """``POST /v1/completions`` (one text prompt; token-id prompts are refused)."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
@@ -195,12 +244,10 @@ class CompletionRequest(_GenerationFields):
             return common
         if isinstance(self.prompt, list) and (len(self.prompt) != 1 or not isinstance(self.prompt[0], str)):
             return "prompt", "prompt must be one string (token ids and batches are not supported)"
-        if self.logprobs:
-            return "logprobs", "logprobs are not supported"
         if self.echo:
             return "echo", "echo is not supported"
-        if self.best_of not in (None, 1):
-            return "best_of", "only best_of=1 is supported"
+        if self.best_of not in (None, 1, self.n):
+            return "best_of", "best_of must equal n (the answers are not ranked)"
         if self.suffix:
             return "suffix", "suffix is not supported"
         return None
@@ -229,11 +276,12 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
     @classmethod
-    def of(cls, result: GenerationResult) -> Usage:
-        completion = len(result.token_ids)
-        return cls(prompt_tokens=result.prompt_tokens, completion_tokens=completion,
-                   total_tokens=result.prompt_tokens + completion,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=result.cached_tokens))
+    def of(cls, results: Sequence[GenerationResult]) -> Usage:
+        """The counts of one request's choices: its prompt once, every choice's completion."""
+        completion = sum(len(r.token_ids) for r in results)
+        return cls(prompt_tokens=results[0].prompt_tokens, completion_tokens=completion,
+                   total_tokens=results[0].prompt_tokens + completion,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=results[0].cached_tokens))
 
 
 class RAGCacheInfo(BaseModel):
@@ -271,17 +319,61 @@ class RAGCacheInfo(BaseModel):
                    reuse=result.reuse, ttft_s=result.ttft_s)
 
 
+class TopTokenLogprob(BaseModel):
+    """An alternative token of chat ``logprobs``: its text, natural-log probability and UTF-8 bytes."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopTokenLogprob):
+    """A generated token of chat ``logprobs``, with the ``top_logprobs`` most likely alternatives."""
+
+    top_logprobs: list[TopTokenLogprob] = []
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+    refusal: None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """``logprobs`` of ``/v1/completions`` (the legacy shape)."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int]
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text of an object
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ToolCallDelta(ToolCallOut):
+    index: int
+
+
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     refusal: None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: ResponseMessage
     finish_reason: str
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     token_ids: list[int] | None = None  # with return_token_ids (vLLM's extension)
 
 
@@ -299,13 +391,14 @@ class ChatCompletion(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     token_ids: list[int] | None = None  # with return_token_ids: every generated id, in the finishing chunk
 
 
@@ -324,7 +417,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | None = None  # with return_token_ids (streamed: in the finishing chunk)
 
 

@@ -8,7 +8,7 @@ client went away, the server's drain timed out) cancels the request and frees it
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -22,8 +22,12 @@ from ragcache_backend.model.sampling import SamplingParams
 from ragcache_backend.prompts.builder import MAX_SALT_CHARS
 from ragcache_backend.prompts.recognition import SegmentedPrompt
 from ragcache_backend.retrieval.documents import Document
+from ragcache_backend.prompts.tools import tool_instructions
+from ragcache_backend.server.constraints import OutputConstraints, output_constraints
 from ragcache_backend.server.errors import APIError, from_engine_error
+from ragcache_backend.server.events import ChunkFrames, MergedStreams
 from ragcache_backend.server.metrics import ServerMetrics, engine_load
+from ragcache_backend.server.outputs import chat_logprobs, chat_message, completion_logprobs
 from ragcache_backend.server.prompting import (
     LearnedDocuments,
     PromptAssembler,
@@ -32,23 +36,19 @@ from ragcache_backend.server.prompting import (
     passed_documents,
     with_documents,
     with_documents_raw,
+    with_tools,
 )
 from ragcache_backend.server.schema import (
     ChatChoice,
     ChatCompletion,
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    ChunkChoice,
     CompletionChoice,
-    CompletionChunk,
     CompletionRequest,
     CompletionResponse,
-    DeltaMessage,
     HealthResponse,
     ModelCard,
     ModelList,
     RAGCacheInfo,
-    ResponseMessage,
     Usage,
 )
 from ragcache_backend.server.settings import ServerSettings
@@ -81,6 +81,9 @@ class PreparedRequest:
         include_usage: streaming: add a last chunk with ``usage``.
         arrived: ``time.perf_counter()`` at arrival.
         return_token_ids: put the generated token ids in the choice (vLLM's ``return_token_ids``).
+        n: choices to generate (each a request of its own on the engine; the prompt's KV is
+            computed once and reused by the others through the knowledge tree).
+        constraints: the output's grammar and the tools to parse out of the answer.
     """
 
     endpoint: str
@@ -92,6 +95,14 @@ class PreparedRequest:
     include_usage: bool
     arrived: float
     return_token_ids: bool = False
+    n: int = 1
+    constraints: OutputConstraints = OutputConstraints()
+
+    def sampling_for(self, index: int) -> SamplingParams:
+        """Choice ``index``'s sampling: a seeded request's choices get seeds ``seed + index``."""
+        if index == 0 or self.sampling.seed is None:
+            return self.sampling
+        return dataclasses.replace(self.sampling, seed=self.sampling.seed + index)
 
 
 def _sse(payload: str) -> str:
@@ -121,7 +132,7 @@ class EventStream:
     request's slot, even when iteration never started (a client gone before the first byte).
     """
 
-    def __init__(self, events: AsyncIterator[str], stream: AsyncIterator[StreamChunk], slot: _Slot,
+    def __init__(self, events: AsyncIterator[str], stream: MergedStreams, slot: _Slot,
                  on_abandon: Callable[[], None]) -> None:
         self._events, self._stream, self._slot, self._on_abandon = events, stream, slot, on_abandon
 
@@ -200,7 +211,8 @@ class CompletionService:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
-    def _sampling(self, body: ChatCompletionRequest | CompletionRequest, prompt: SegmentedPrompt) -> SamplingParams:
+    def _sampling(self, body: ChatCompletionRequest | CompletionRequest, prompt: SegmentedPrompt,
+                  constraints: OutputConstraints) -> SamplingParams:
         window = self.engine.loaded.context_window
         field, limit = body.token_limit
         if limit is not None and limit < 1:
@@ -214,10 +226,28 @@ class CompletionService:
             if limit < 1:
                 raise APIError(400, f"the prompt of {prompt_tokens} tokens fills the {window}-token context window",
                                param="messages", code="context_length_exceeded")
+        n = body.n or 1
+        arena = self.engine.runner.num_device_blocks * self.engine.runner.block_size
+        if n > 1 and prompt_tokens + n * limit > arena:
+            raise APIError(400, f"n={n} choices of up to {limit} tokens over a {prompt_tokens}-token prompt need "
+                                f"{prompt_tokens + n * limit} tokens of KV; the device arena holds {arena}",
+                           param="n", code="invalid_value")
+        if isinstance(body, ChatCompletionRequest):
+            logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        else:
+            logprobs = body.logprobs
         try:
-            sampling = SamplingParams(max_tokens=limit, temperature=body.temperature or 0.0,
-                                      top_p=body.top_p if body.top_p is not None else 1.0,
-                                      stop=body.stop_strings, seed=body.seed)
+            bias = body.token_bias
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="logit_bias", code="invalid_value") from None
+        try:
+            sampling = SamplingParams(
+                max_tokens=limit, temperature=body.temperature or 0.0,
+                top_p=body.top_p if body.top_p is not None else 1.0, stop=body.stop_strings, seed=body.seed,
+                top_k=body.top_k or 0, min_p=body.min_p or 0.0,
+                repetition_penalty=body.repetition_penalty if body.repetition_penalty is not None else 1.0,
+                presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+                logit_bias=bias, logprobs=logprobs, grammar=constraints.grammar)
             self.engine.check_window(prompt.segments, sampling)
         except ContextWindowError as exc:
             raise APIError(400, str(exc), param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
@@ -227,13 +257,13 @@ class CompletionService:
         return sampling
 
     def prepare(self, body: ChatCompletionRequest | CompletionRequest, header_salt: str | None) -> PreparedRequest:
-        """Check ``body`` and build its prompt and sampling.
+        """Check ``body`` and build its prompt, sampling and output constraints.
 
         ``header_salt`` is the ``X-Cache-Salt`` header; the body's ``cache_salt`` wins.
 
         Raises:
             APIError: 404 unknown model; 400 unsupported feature, bad value, non-text content,
-                prompt over the context window.
+                bad tools or output format, prompt over the context window.
         """
         arrived = time.perf_counter()
         self.check_model(body.model)
@@ -242,10 +272,14 @@ class CompletionService:
             raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
         reuse = body.reuse or self.settings.reuse
         documents = passed_documents(body.documents)
+        constraints = output_constraints(body)
         self.prompts.register(documents)
         try:
             if isinstance(body, ChatCompletionRequest):
-                prompt = self.prompts.chat(with_documents(chat_turns(body.messages), documents), reuse)
+                turns = with_documents(chat_turns(body.messages), documents)
+                if constraints.calls_tools:
+                    turns = with_tools(turns, tool_instructions(constraints.tools))
+                prompt = self.prompts.chat(turns, reuse)
                 endpoint = CHAT
             else:
                 prompt = self.prompts.raw(with_documents_raw(body.prompt_text, documents), reuse)
@@ -255,26 +289,43 @@ class CompletionService:
         salt = body.cache_salt if body.cache_salt is not None else header_salt
         if salt is not None and len(salt) > MAX_SALT_CHARS:  # the header's salt (the body's is checked by its schema)
             raise APIError(400, f"cache_salt must be at most {MAX_SALT_CHARS} characters", param="cache_salt")
-        return PreparedRequest(endpoint, prompt, self._sampling(body, prompt), reuse, salt or None,
-                               bool(body.stream), body.include_usage, arrived, bool(body.return_token_ids))
+        return PreparedRequest(endpoint, prompt, self._sampling(body, prompt, constraints), reuse, salt or None,
+                               bool(body.stream), body.include_usage, arrived, bool(body.return_token_ids),
+                               body.n or 1, constraints)
 
     # ---- generation -----------------------------------------------------------------------------
-    def _open(self, req: PreparedRequest) -> AsyncIterator[StreamChunk]:
-        return self.engine.astream_segments(req.prompt.segments, req.sampling, reuse=req.reuse,
+    def _open(self, req: PreparedRequest, index: int = 0) -> AsyncIterator[StreamChunk]:
+        return self.engine.astream_segments(req.prompt.segments, req.sampling_for(index), reuse=req.reuse,
                                             cache_salt=req.cache_salt)
 
+    async def _first_chunks(self, req: PreparedRequest) -> tuple[list[AsyncIterator[StreamChunk]], list[StreamChunk]]:
+        """Open the request's ``n`` streams and wait for each one's first chunk; on any failure every
+        stream is closed and the error raised."""
+        streams = [self._open(req, i) for i in range(req.n)]
+        try:
+            firsts = list(await asyncio.gather(*(anext(s) for s in streams)))
+        except BaseException:
+            for stream in streams:
+                await stream.aclose()
+            raise
+        return streams, firsts
+
     async def generate(self, req: PreparedRequest) -> ChatCompletion | CompletionResponse:
-        """Run ``req`` to the end and return the response body.
+        """Run ``req`` (all its choices) to the end and return the response body.
 
         Raises:
             APIError: 503 busy or draining; the engine's error mapped (:func:`from_engine_error`).
         """
         self._admit()
         try:
-            async with contextlib.aclosing(self._open(req)) as stream:
-                result = None
-                async for chunk in stream:
-                    result = chunk.result
+            merged = MergedStreams(*await self._first_chunks(req))
+            try:
+                results: dict[int, GenerationResult] = {}
+                async for index, chunk in merged:
+                    if chunk.result is not None:
+                        results[index] = chunk.result
+            finally:
+                await merged.aclose()
         except asyncio.CancelledError:
             self.metrics.failed(req.endpoint, 499)
             raise
@@ -285,23 +336,32 @@ class CompletionService:
             raise error from None
         finally:
             self._release()
-        assert result is not None
-        self.metrics.finished(req.endpoint, result, time.perf_counter() - req.arrived)
-        return self._body(req, result)
+        ordered = [results[i] for i in range(req.n)]
+        for result in ordered:
+            self.metrics.finished(req.endpoint, result, time.perf_counter() - req.arrived)
+        return self._body(req, ordered)
 
-    def _body(self, req: PreparedRequest, result: GenerationResult) -> ChatCompletion | CompletionResponse:
-        common = dict(created=int(time.time()), model=self.model_name, usage=Usage.of(result),
-                      ragcache=RAGCacheInfo.of(result))
-        ids = list(result.token_ids) if req.return_token_ids else None
+    def _body(self, req: PreparedRequest, results: list[GenerationResult]) -> ChatCompletion | CompletionResponse:
+        common = dict(created=int(time.time()), model=self.model_name, usage=Usage.of(results),
+                      ragcache=RAGCacheInfo.of(results[0]))
+        tokenizer = self.engine.loaded.tokenizer
         if req.endpoint == CHAT:
-            return ChatCompletion(id=f"chatcmpl-{uuid.uuid4().hex[:24]}", **common, choices=[ChatChoice(
-                message=ResponseMessage(content=result.answer), finish_reason=result.finish_reason, token_ids=ids)])
+            choices = []
+            for i, result in enumerate(results):
+                message, finish = chat_message(result, req.constraints)
+                choices.append(ChatChoice(index=i, message=message, finish_reason=finish,
+                                          logprobs=chat_logprobs(result, tokenizer),
+                                          token_ids=list(result.token_ids) if req.return_token_ids else None))
+            return ChatCompletion(id=f"chatcmpl-{uuid.uuid4().hex[:24]}", **common, choices=choices)
         return CompletionResponse(id=f"cmpl-{uuid.uuid4().hex[:24]}", **common, choices=[CompletionChoice(
-            text=result.answer, finish_reason=result.finish_reason, token_ids=ids)])
+            index=i, text=result.answer, finish_reason=result.finish_reason,
+            logprobs=completion_logprobs(result, tokenizer),
+            token_ids=list(result.token_ids) if req.return_token_ids else None) for i, result in enumerate(results)])
 
     async def open_stream(self, req: PreparedRequest) -> EventStream:
-        """Start ``req`` and wait for its first chunk, so that an error is still an HTTP status;
-        returns the server-sent events (``data: {...}``, ending with ``data: [DONE]``).
+        """Start ``req`` and wait for the first chunk of each of its choices, so that an error is
+        still an HTTP status; returns the server-sent events (``data: {...}``, ending with
+        ``data: [DONE]``).
 
         Closing the returned iterator before its end cancels the request.
 
@@ -309,71 +369,41 @@ class CompletionService:
             APIError: as :meth:`generate`, for errors before the first chunk.
         """
         self._admit()
-        stream = self._open(req)
         try:
-            first = await anext(stream)
+            merged = MergedStreams(*await self._first_chunks(req))
         except BaseException as exc:
             self._release()
-            await stream.aclose()
             if isinstance(exc, asyncio.CancelledError):
                 self.metrics.failed(req.endpoint, 499)
                 raise
             raise from_engine_error(exc) from None
         slot = _Slot(self._release)
-        return EventStream(self._events(req, first, stream, slot), stream, slot,
-                           lambda: self.metrics.failed(req.endpoint, 499))
+        return EventStream(self._event_loop(req, merged, ChunkFrames(req, self.model_name, self.engine.loaded.tokenizer),
+                                            slot), merged, slot, lambda: self.metrics.failed(req.endpoint, 499))
 
-    def _events(self, req: PreparedRequest, first: StreamChunk, stream: AsyncIterator[StreamChunk],
-                slot: _Slot) -> AsyncIterator[str]:
-        rid, created = uuid.uuid4().hex[:24], int(time.time())
-        chat = req.endpoint == CHAT
-
-        def ids(result: GenerationResult | None) -> list[int] | None:  # every id, in the finishing chunk
-            return list(result.token_ids) if req.return_token_ids and result is not None else None
-
-        if chat:
-            def frame(text: str | None, finish: str | None = None, *, role: bool = False,
-                      result: GenerationResult | None = None, usage_only: bool = False) -> str:
-                choices = [] if usage_only else [ChunkChoice(delta=DeltaMessage(
-                    role="assistant" if role else None, content=text), finish_reason=finish,
-                    token_ids=ids(result))]
-                return ChatCompletionChunk(
-                    id=f"chatcmpl-{rid}", created=created, model=self.model_name, choices=choices,
-                    usage=Usage.of(result) if usage_only and result else None,
-                    ragcache=RAGCacheInfo.of(result) if result else None,
-                ).model_dump_json()
-        else:
-            def frame(text: str | None, finish: str | None = None, *, role: bool = False,
-                      result: GenerationResult | None = None, usage_only: bool = False) -> str:
-                choices = [] if usage_only else [CompletionChoice(text=text or "", finish_reason=finish,
-                                                                  token_ids=ids(result))]
-                return CompletionChunk(
-                    id=f"cmpl-{rid}", created=created, model=self.model_name, choices=choices,
-                    usage=Usage.of(result) if usage_only and result else None,
-                    ragcache=RAGCacheInfo.of(result) if result else None,
-                ).model_dump_json()
-        return self._event_loop(req, first, stream, frame, slot)
-
-    async def _event_loop(self, req: PreparedRequest, first: StreamChunk, stream: AsyncIterator[StreamChunk],
-                          frame: Callable[..., str], slot: _Slot) -> AsyncIterator[str]:
+    async def _event_loop(self, req: PreparedRequest, merged: MergedStreams, frames: ChunkFrames,
+                          slot: _Slot) -> AsyncIterator[str]:
         status = 499  # until the stream ends: the client went away (or the drain timed out)
+        held = req.constraints.calls_tools  # the answer is sent whole at the end (tool calls or not)
+        results: dict[int, GenerationResult] = {}
         try:
             if req.endpoint == CHAT:
-                yield _sse(frame("", role=True))
-            chunk = first
-            while True:
-                if chunk.text:
-                    yield _sse(frame(chunk.text))
+                for i in range(req.n):
+                    yield _sse(frames.text(i, "", role=True))
+            async for index, chunk in merged:
+                if chunk.text and not held:
+                    yield _sse(frames.text(index, chunk.text))
                 if chunk.result is not None:
-                    break
-                chunk = await anext(stream)
-            result = chunk.result
-            yield _sse(frame(None if req.endpoint == CHAT else "", result.finish_reason, result=result))
+                    results[index] = chunk.result
+                    for frame in frames.finish(index, chunk.result):
+                        yield _sse(frame)
+            ordered = [results[i] for i in range(req.n)]
             if req.include_usage:
-                yield _sse(frame(None, result=result, usage_only=True))
+                yield _sse(frames.usage(ordered))
             yield _sse("[DONE]")
             status = 200
-            self.metrics.finished(req.endpoint, result, time.perf_counter() - req.arrived)
+            for result in ordered:
+                self.metrics.finished(req.endpoint, result, time.perf_counter() - req.arrived)
         except Exception as exc:  # after the first chunk: an error event (as OpenAI sends one)
             error = from_engine_error(exc)
             status = error.status
@@ -384,7 +414,7 @@ class CompletionService:
             if status != 200:
                 self.metrics.failed(req.endpoint, status)
             slot.release()
-            await stream.aclose()
+            await merged.aclose()
 
     # ---- other routes ---------------------------------------------------------------------------
     def models(self) -> ModelList:

@@ -62,14 +62,32 @@ def assert_error(response: httpx.Response, status: int, code: str | None = None,
     ("/v1/chat/completions", {"messages": HI, "max_tokens": 2048}, 400, "invalid_value", "max_tokens"),
     ("/v1/chat/completions", {"messages": HI, "max_tokens": "many"}, 400, "invalid_value", "max_tokens"),
     ("/v1/chat/completions", {"messages": HI, "temperature": 5}, 400, "invalid_value", "temperature"),
-    ("/v1/chat/completions", {"messages": HI, "logprobs": True}, 400, "unsupported_parameter", "logprobs"),
-    ("/v1/chat/completions", {"messages": HI, "presence_penalty": 0.5}, 400, "unsupported_parameter", "presence_penalty"),
-    ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_object"}}, 400,
-     "unsupported_parameter", "response_format"),
-    ("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
-     "unsupported_parameter", "tools"),
+    ("/v1/chat/completions", {"messages": HI, "logprobs": True, "top_logprobs": 21}, 400, "invalid_value",
+     "top_logprobs"),
+    ("/v1/chat/completions", {"messages": HI, "top_logprobs": 2}, 400, "unsupported_parameter", "top_logprobs"),
+    ("/v1/chat/completions", {"messages": HI, "presence_penalty": 2.5}, 400, "invalid_value", "presence_penalty"),
+    ("/v1/chat/completions", {"messages": HI, "n": 17}, 400, "invalid_value", "n"),
+    ("/v1/chat/completions", {"messages": HI, "n": 16, "max_tokens": 1000}, 400, "invalid_value", "n"),
+    ("/v1/chat/completions", {"messages": HI, "logit_bias": {"abc": 1}}, 400, "invalid_value", "logit_bias"),
+    ("/v1/chat/completions", {"messages": HI, "logit_bias": {"5": 150}}, 400, None, None),
+    ("/v1/chat/completions", {"messages": HI, "logit_bias": {"99999999": 1}}, 400, None, None),
+    ("/v1/chat/completions", {"messages": HI, "min_tokens": 3}, 400, "unsupported_parameter", "min_tokens"),
+    ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "xml"}}, 400, "invalid_value",
+     "response_format"),
+    ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "objec"}}}}, 400, None, None),
+    ("/v1/chat/completions", {"messages": HI, "structured_outputs": {"regex": "(("}}, 400, None, None),
+    ("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": 5}}}]}, 400, "invalid_value", "tools"),
+    ("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "invalid_value",
+     "tool_choice"),
+    ("/v1/chat/completions", {"messages": HI, "tool_choice": "required"}, 400, "invalid_value", "tool_choice"),
+    ("/v1/chat/completions", {"messages": HI, "functions": [{"name": "f"}]}, 400, "unsupported_parameter",
+     "functions"),
     ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None,
-                                            "tool_calls": [{"id": "1", "type": "function"}]}]}, 400, None, None),
+                                            "tool_calls": [{"id": "1", "type": "function"}]}]}, 400, None,
+     "messages[0].tool_calls"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "invalid_value", None),
     ("/v1/chat/completions", {"messages": HI, "reuse": "fuzzy"}, 400, "invalid_value", "reuse"),
     ("/v1/chat/completions", {"messages": HI, "cache_salt": "s" * 300}, 400, "invalid_value", "cache_salt"),
@@ -256,3 +274,98 @@ def test_version(capsys):
 
     code, stdout, _ = run_cli(capsys, "--version")
     assert code == 0 and stdout.strip() == f"ragcache {version('ragcache-kv')}"
+
+
+async def test_vllm_sampling_fields_and_harmless_extras_are_accepted(api):
+    body = {"messages": HI, "max_tokens": 3, "temperature": 0.8, "seed": 1, "top_k": 20, "min_p": 0.05,
+            "repetition_penalty": 1.2, "presence_penalty": 0.5, "frequency_penalty": 0.3, "logit_bias": {"17": -5},
+            "request_id": "r1", "priority": 0, "skip_special_tokens": True, "spaces_between_special_tokens": False,
+            "chat_template_kwargs": {"enable_thinking": False}, "ignore_eos": False, "min_tokens": 0}
+    response = await api.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    again = await api.post("/v1/chat/completions", json=body)
+    assert again.json()["choices"][0]["message"] == response.json()["choices"][0]["message"]  # seeded
+
+
+async def test_logit_bias_forces_a_token(api, engine):
+    token = engine.loaded.tokenizer.encode(" river", add_special_tokens=False)[0]
+    data = (await api.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 4, "return_token_ids": True,
+                                                         "logit_bias": {str(token): 100}})).json()
+    assert data["choices"][0]["token_ids"] == [token] * 4
+
+
+async def test_logprobs_chat_and_completion(api, engine):
+    data = (await api.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 4, "logprobs": True,
+                                                         "top_logprobs": 3})).json()
+    content = data["choices"][0]["logprobs"]["content"]
+    assert len(content) == data["usage"]["completion_tokens"] == 4
+    for entry in content:  # greedy: the chosen token is the most likely one
+        assert len(entry["top_logprobs"]) == 3 and entry["top_logprobs"][0]["logprob"] == entry["logprob"] <= 0
+        assert bytes(entry["bytes"]).decode() == entry["token"]
+    assert "".join(e["token"] for e in content) == data["choices"][0]["message"]["content"]
+    data = (await api.post("/v1/completions", json={"prompt": "The river", "max_tokens": 3, "logprobs": 2})).json()
+    lp = data["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 3
+    assert lp["text_offset"][0] == 0 and all(len(t) == 2 for t in lp["top_logprobs"])
+
+
+async def test_n_choices_plain_and_streamed(api):
+    body = {"messages": HI, "max_tokens": 3, "n": 3, "temperature": 1.0, "seed": 5}
+    data = (await api.post("/v1/chat/completions", json=body)).json()
+    assert [c["index"] for c in data["choices"]] == [0, 1, 2]
+    assert data["usage"]["completion_tokens"] == 9
+    assert len({c["message"]["content"] for c in data["choices"]}) > 1  # seeds 5, 6, 7
+    response = await api.post("/v1/chat/completions", json={**body, "stream": True,
+                                                            "stream_options": {"include_usage": True}})
+    chunks = [json.loads(e) for e in sse(response.text)[:-1]]
+    texts = {0: "", 1: "", 2: ""}
+    finished = set()
+    for chunk in chunks[:-1]:
+        for choice in chunk["choices"]:
+            texts[choice["index"]] += choice["delta"].get("content") or ""
+            if choice["finish_reason"]:
+                finished.add(choice["index"])
+    assert finished == {0, 1, 2} and chunks[-1]["usage"]["completion_tokens"] == 9
+    assert texts == {c["index"]: c["message"]["content"] for c in data["choices"]}
+
+
+async def test_structured_outputs_hold_a_random_model_to_the_grammar(api):
+    data = (await api.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 8,
+                                                         "structured_outputs": {"choice": ["yes", "no"]}})).json()
+    assert data["choices"][0]["message"]["content"] in {"yes", "no"}
+    assert data["choices"][0]["finish_reason"] == "stop"
+    data = (await api.post("/v1/completions", json={"prompt": "Code:", "max_tokens": 8,
+                                                    "structured_outputs": {"regex": "[A-Z]{2}[0-9]{2}"}})).json()
+    assert len(data["choices"][0]["text"]) == 4 and data["choices"][0]["text"][:2].isupper()
+
+
+TOOL = {"type": "function", "function": {"name": "pick", "parameters": {
+    "type": "object", "properties": {"colour": {"enum": ["red", "green"]}}, "required": ["colour"],
+    "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_required_tool_call_is_well_formed_even_from_a_random_model(api, stream):
+    body = {"messages": HI, "max_tokens": 60, "tools": [TOOL], "tool_choice": "required",
+            "parallel_tool_calls": False, "stream": stream}
+    response = await api.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    if stream:
+        chunks = [json.loads(e) for e in sse(response.text)[:-1]]
+        calls = [c for chunk in chunks for ch in chunk["choices"] for c in (ch["delta"].get("tool_calls") or [])]
+        finish = chunks[-1]["choices"][0]["finish_reason"]
+    else:
+        message = response.json()["choices"][0]["message"]
+        calls, finish = message["tool_calls"], response.json()["choices"][0]["finish_reason"]
+    assert finish == "tool_calls" and len(calls) == 1
+    assert calls[0]["function"]["name"] == "pick" and calls[0]["id"].startswith("call_")
+    assert json.loads(calls[0]["function"]["arguments"])["colour"] in {"red", "green"}
+
+
+async def test_a_tool_conversation_renders_calls_and_results(api):
+    messages = [*HI, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "pick", "arguments": '{"colour": "red"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "picked red"}]
+    response = await api.post("/v1/chat/completions", json={"messages": messages, "tools": [TOOL], "max_tokens": 3})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["finish_reason"] in {"length", "stop", "tool_calls"}

@@ -196,7 +196,7 @@ def test_metrics_expose_the_cache(server):
      "context_length_exceeded", "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]}, 400,
      "unsupported_content", "messages[0].content[0]"),
-    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "unsupported_parameter", "n"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 99}, 400, "invalid_value", "n"),
     ({"messages": []}, 400, "invalid_value", "messages"),
 ])
 def test_bad_input_is_an_openai_error(server, body, status, code, param):
