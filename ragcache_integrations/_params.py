@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from ragcache_backend.engine.engine import RAGCacheEngine
 from ragcache_backend.errors import InvalidRequestError
+from ragcache_backend.model.grammar import Grammar
 from ragcache_backend.model.loader import DEFAULT_MODEL_NAME
 from ragcache_backend.prompts.builder import Segment
 from ragcache_backend.prompts.recognition import ChatTurn, DocumentRecognizer, PromptSegmenter, SegmentedPrompt
@@ -29,7 +30,9 @@ from ragcache_integrations._speculation import speculation_board
 __all__ = ["CALL_OVERRIDES", "CompletionParams", "RAGCacheParams"]
 
 #: Keyword arguments a single call may pass to override the instance's settings.
-CALL_OVERRIDES = frozenset({"temperature", "max_tokens", "top_p", "seed", "use_cache", "timeout", "model", "reuse"})
+CALL_OVERRIDES = frozenset({"temperature", "max_tokens", "top_p", "seed", "use_cache", "timeout", "model", "reuse",
+                            "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                            "logit_bias"})
 
 
 class RAGCacheParams(BaseModel):
@@ -47,6 +50,17 @@ class RAGCacheParams(BaseModel):
     max_tokens: int = Field(default=256, ge=1, description="most tokens to generate per call")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="nucleus sampling mass; 1 = off")
     seed: int | None = Field(default=None, description="sampler seed (used when temperature > 0)")
+    top_k: int = Field(default=0, ge=-1, description="sample among the k most likely tokens; 0 or -1 = off")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0,
+                         description="drop tokens below min_p times the most likely one's probability; 0 = off")
+    repetition_penalty: float = Field(
+        default=1.0, gt=0.0, description="divide (positive) or multiply (negative) the logits of tokens already "
+                                         "in the prompt or the answer; 1 = off, 1.1-1.3 stops most loops")
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0,
+                                    description="subtracted from the logit of every token the answer holds")
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0,
+                                     description="subtracted once per occurrence in the answer")
+    logit_bias: dict[int, float] | None = Field(default=None, description="token id -> bias in [-100, 100]")
     stop: list[str] | None = Field(
         default=None, description="strings that end generation; the matched string is not returned")
     timeout: float | None = Field(
@@ -136,8 +150,10 @@ class RAGCacheParams(BaseModel):
         return segmenter(engine, self.recognizer, documents_alone=mode != "exact")
 
     def chat_generation(self, turns: Sequence[ChatTurn], stop: Sequence[str] | None = None,
-                        overrides: Mapping[str, Any] | None = None) -> Generation:
-        """A ready request for chat ``turns`` (see :meth:`generation`).
+                        overrides: Mapping[str, Any] | None = None, *,
+                        grammar: Grammar | None = None) -> Generation | ServerGeneration:
+        """A ready request for chat ``turns`` (see :meth:`generation`); ``grammar`` constrains the
+        answer (tool calls, structured output).
 
         When the turns hold the documents one of our retrievers just returned and the query it
         searched for, their shape is learned, so that retriever's next search can speculate on
@@ -146,17 +162,18 @@ class RAGCacheParams(BaseModel):
         over = dict(overrides or {})
         if self.base_url is not None:
             def make(chat: Sequence[ChatTurn]) -> Generation | ServerGeneration:
-                return self.server_generation(tuple(chat), "", stop, over)
+                return self.server_generation(tuple(chat), "", stop, over, grammar=grammar)
         else:
             def make(chat: Sequence[ChatTurn]) -> Generation | ServerGeneration:
-                return self.generation(self.prompt_segmenter(over).chat(chat).segments, stop, over)
+                return self.generation(self.prompt_segmenter(over).chat(chat).segments, stop, over, grammar=grammar)
 
         generation = make(turns)
         speculation_board().learn(turns, self.recognizer or known_documents(), make, generation.target)
         return generation
 
     def server_generation(self, turns: Sequence[ChatTurn], prompt: str, stop: Sequence[str] | None = None,
-                          overrides: Mapping[str, Any] | None = None) -> ServerGeneration:
+                          overrides: Mapping[str, Any] | None = None, *,
+                          grammar: Grammar | None = None) -> ServerGeneration:
         """A ready request for the ``base_url`` server: ``turns`` through its chat template, or
         when there are none, ``prompt`` completed as raw text; the known documents inside are sent
         along (to ``ragcache serve``).
@@ -167,7 +184,7 @@ class RAGCacheParams(BaseModel):
         server = self.server()
         assert server is not None, "server_generation needs base_url"
         over = dict(overrides or {})
-        sampling = self._sampling(stop, over)
+        sampling = self._sampling(stop, over, grammar)
         if over.get("use_cache", self.use_cache) is False:
             raise InvalidRequestError("use_cache=False needs the embedded engine; a server always uses its cache")
         recognizer = self.recognizer or known_documents()
@@ -182,20 +199,22 @@ class RAGCacheParams(BaseModel):
                                 timeout=over.get("timeout", self.timeout), max_retries=self.max_retries)
 
     def generation(self, segments: Sequence[Segment], stop: Sequence[str] | None = None,
-                   overrides: Mapping[str, Any] | None = None) -> Generation:
-        """A ready request: instance settings, then ``stop`` and per-call ``overrides``.
+                   overrides: Mapping[str, Any] | None = None, *, grammar: Grammar | None = None) -> Generation:
+        """A ready request: instance settings, then ``stop`` and per-call ``overrides``; ``grammar``
+        constrains the answer.
 
         Raises InvalidRequestError for an unknown override, or a ``model`` other than this one.
         """
         over = dict(overrides or {})
-        sampling = self._sampling(stop, over)
+        sampling = self._sampling(stop, over, grammar)
         reuse = over.get("reuse", self.reuse)
         self._check_reuse(reuse)
         return Generation(self.resolved_engine(), tuple(segments), sampling,
                           use_cache=over.get("use_cache", self.use_cache),
                           timeout=over.get("timeout", self.timeout), max_retries=self.max_retries, reuse=reuse)
 
-    def _sampling(self, stop: Sequence[str] | None, over: Mapping[str, Any]) -> SamplingParams:
+    def _sampling(self, stop: Sequence[str] | None, over: Mapping[str, Any],
+                  grammar: Grammar | None = None) -> SamplingParams:
         """Sampling from the instance's settings, ``stop`` and per-call ``over``-rides.
 
         Raises InvalidRequestError for an unknown override, or a ``model`` other than this one.
@@ -213,6 +232,13 @@ class RAGCacheParams(BaseModel):
             top_p=over.get("top_p", self.top_p),
             stop=tuple(stop if stop is not None else self.stop or ()),
             seed=over.get("seed", self.seed),
+            top_k=over.get("top_k", self.top_k),
+            min_p=over.get("min_p", self.min_p),
+            repetition_penalty=over.get("repetition_penalty", self.repetition_penalty),
+            presence_penalty=over.get("presence_penalty", self.presence_penalty),
+            frequency_penalty=over.get("frequency_penalty", self.frequency_penalty),
+            logit_bias=over.get("logit_bias", self.logit_bias) or (),
+            grammar=grammar,
         )
 
     @staticmethod

@@ -292,7 +292,20 @@ class ServerGeneration:
             body["stop"] = list(s.stop)
         if s.seed is not None:
             body["seed"] = s.seed
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(s, name):
+                body[name] = getattr(s, name)
+        if s.logit_bias:
+            body["logit_bias"] = {str(t): b for t, b in s.logit_bias}
         extra: dict[str, Any] = {"return_token_ids": True}
+        if s.top_k > 0:
+            extra["top_k"] = s.top_k
+        if s.min_p:
+            extra["min_p"] = s.min_p
+        if s.repetition_penalty != 1.0:
+            extra["repetition_penalty"] = s.repetition_penalty
+        if s.grammar is not None:  # vLLM's field, which ragcache serve also takes
+            extra["structured_outputs"] = s.grammar.structured_outputs()
         if info.is_ragcache:
             if self.documents:
                 extra["documents"] = [{"id": d.id, "text": d.text} for d in self.documents]

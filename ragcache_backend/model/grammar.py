@@ -100,6 +100,17 @@ class Grammar:
             raise GrammarError("a choice grammar needs at least one option and no empty option")
         return cls("choice", json.dumps(values))
 
+    def structured_outputs(self) -> dict[str, Any]:
+        """The grammar as vLLM's ``structured_outputs`` request field (also ``ragcache serve``'s),
+        for sending it to a server; the server applies its own JSON whitespace rule."""
+        if self.kind == "json_schema":
+            return {"json": json.loads(self.spec)}
+        if self.kind == "json_object":
+            return {"json_object": True}
+        if self.kind == "choice":
+            return {"choice": json.loads(self.spec)}
+        return {"regex" if self.kind == "regex" else "grammar": self.spec}
+
     def serialized(self) -> str:
         """The grammar in llguidance's serialized form.
 

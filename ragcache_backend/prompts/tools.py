@@ -10,8 +10,9 @@ rendered as plain text in every model's template, so a chat with tools keeps a s
 
 ``tool_choice`` ``required`` or a named function constrains the output with a grammar (Lark with
 an embedded JSON Schema per tool, :mod:`ragcache_backend.model.grammar`), so the call parses
-and its arguments validate against the function's schema whatever the model's size; ``auto``
-lets the model choose and parses what it wrote.
+and its arguments validate against the function's schema whatever the model's size; a forced
+answer is one call unless ``parallel_tool_calls`` is true (where OpenAI's default is true: a small
+model allowed more keeps writing calls). ``auto`` lets the model choose and parses what it wrote.
 """
 
 from __future__ import annotations
@@ -25,14 +26,15 @@ from typing import Any, Literal
 
 from ragcache_backend.errors import InvalidRequestError
 from ragcache_backend.model.grammar import Grammar
+from ragcache_backend.prompts.recognition import ChatTurn
 
 __all__ = [
     "ParsedOutput", "Tool", "ToolCall", "ToolChoice", "ToolError", "parse_tool_calls", "parse_tool_choice",
-    "parse_tools", "render_tool_calls", "render_tool_result", "tool_grammar", "tool_instructions",
+    "parse_tools", "render_tool_calls", "render_tool_result", "tool_grammar", "tool_instructions", "with_tools",
 ]
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 
 
 class ToolError(InvalidRequestError):
@@ -158,6 +160,16 @@ def tool_instructions(tools: Sequence[Tool]) -> str:
             '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
 
 
+def with_tools(turns: Sequence[ChatTurn], tools: Sequence[Tool]) -> list[ChatTurn]:
+    """``turns`` with the tools' instructions (:func:`tool_instructions`) at the end of the first
+    system turn (one is added at the start when there is none)."""
+    instructions = tool_instructions(tools)
+    if turns and turns[0].role == "system":
+        first = turns[0].content
+        return [ChatTurn("system", f"{first}\n\n{instructions}" if first else instructions), *turns[1:]]
+    return [ChatTurn("system", instructions), *turns]
+
+
 def render_tool_calls(calls: Sequence[Mapping[str, Any]]) -> str:
     """An assistant message's OpenAI ``tool_calls`` as the text the model would have written.
 
@@ -185,41 +197,65 @@ def render_tool_result(content: str) -> str:
     return f"<tool_response>\n{content}\n</tool_response>"
 
 
-def tool_grammar(tools: Sequence[Tool], choice: ToolChoice, *, parallel: bool = True) -> Grammar | None:
-    """The grammar that forces a call (``required``: any tool; ``function``: that one), one or
-    more in a row when ``parallel``; None for ``auto`` and ``none`` (the model writes freely)."""
+def _closed(schema: Any) -> Any:
+    """``schema`` with every object that lists its properties closed to others
+    (``additionalProperties: false`` where unset), as OpenAI's strict mode and vLLM's
+    ``disable_additional_properties`` do: a call's arguments are the function's, nothing more."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = {k: _closed(v) for k, v in schema.items()}
+    if isinstance(out.get("properties"), Mapping) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def tool_grammar(tools: Sequence[Tool], choice: ToolChoice, *, parallel: bool = False) -> Grammar | None:
+    """The grammar that forces a call (``required``: any tool; ``function``: that one): exactly
+    one, or one or more in a row when ``parallel`` (small models given the choice keep writing
+    calls until ``max_tokens``, so several calls are opt-in: ``parallel_tool_calls=true``); None
+    for ``auto`` and ``none`` (the model writes freely).
+    The arguments are held to each tool's schema with its objects closed (:func:`_closed`)."""
     if choice.mode in ("none", "auto"):
         return None
     chosen = [t for t in tools if choice.mode == "required" or t.name == choice.name]
-    body = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.schema},
+    body = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": _closed(t.schema)},
                        "required": ["name", "arguments"], "additionalProperties": False} for t in chosen],
-            "x-guidance": {"whitespace_pattern": "[ ]?"}}  # json.dumps' spacing, as the calls are rendered
+            # json.dumps' spacing, as the instructions show calls and as earlier calls are rendered
+            "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
     repeat = "+" if parallel else ""
     return Grammar.lark(f'start: call{repeat}\ncall: "<tool_call>\\n" body "\\n</tool_call>\\n"\n'
                         f"body: %json {json.dumps(body)}")
 
 
 def parse_tool_calls(text: str, tools: Sequence[Tool]) -> ParsedOutput:
-    """Split the model's answer into text and calls. A ``<tool_call>`` block that is not JSON,
-    names no known tool or has non-object arguments stays in the text (as vLLM's hermes parser
-    leaves what it cannot read)."""
+    """Split the model's answer into text and calls. Each ``<tool_call>`` is read as one JSON
+    value (so a ``</tool_call>`` or a brace inside a string does not cut it short); a block that is
+    not JSON, names no known tool or has non-object arguments stays in the text (as vLLM's hermes
+    parser leaves what it cannot read)."""
     names = {t.name for t in tools}
+    decoder = json.JSONDecoder()
     calls: list[ToolCall] = []
     kept: list[str] = []
-    last = 0
-    for match in _CALL.finditer(text):
+    last = start = 0
+    while (start := text.find(_OPEN, start)) >= 0:
+        body = len(text) - len(text[start + len(_OPEN):].lstrip())
         try:
-            data = json.loads(match.group(1))
+            data, end = decoder.raw_decode(text, body)
         except json.JSONDecodeError:
+            start += len(_OPEN)
             continue
-        if not (isinstance(data, Mapping) and data.get("name") in names):
+        close = len(text) - len(text[end:].lstrip())
+        if text.startswith(_CLOSE, close):
+            end = close + len(_CLOSE)
+        args = data.get("arguments", data.get("parameters", {})) if isinstance(data, Mapping) else None
+        if not (isinstance(data, Mapping) and data.get("name") in names and isinstance(args, Mapping)):
+            start = end
             continue
-        args = data.get("arguments", data.get("parameters", {}))
-        if not isinstance(args, Mapping):
-            continue
-        kept.append(text[last:match.start()])
-        last = match.end()
+        kept.append(text[last:start])
+        last = start = end
         calls.append(ToolCall(f"call_{uuid.uuid4().hex[:24]}", data["name"], json.dumps(args)))
     kept.append(text[last:])
     content = "".join(kept).strip()
-    return ParsedOutput(content or None if calls else text, tuple(calls))
+    return ParsedOutput((content or None) if calls else text, tuple(calls))

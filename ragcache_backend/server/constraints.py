@@ -94,7 +94,7 @@ def output_constraints(body: ChatCompletionRequest | CompletionRequest) -> Outpu
         tools = parse_tools(body.tools or ())
         field = "tool_choice"
         choice = parse_tool_choice(body.tool_choice, tools)
-        forced = tool_grammar(tools, choice, parallel=body.parallel_tool_calls is not False)
+        forced = tool_grammar(tools, choice, parallel=body.parallel_tool_calls is True)
     except (GrammarError, ToolError) as exc:
         raise APIError(400, str(exc), param=field, code="invalid_value") from None
     return OutputConstraints(forced or grammar, tools, choice)

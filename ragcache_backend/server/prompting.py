@@ -34,7 +34,7 @@ from ragcache_backend.server.errors import APIError
 from ragcache_backend.server.schema import ChatMessage, ExplicitDocument
 
 __all__ = ["LearnedDocuments", "PassedDocument", "PromptAssembler", "chat_turns", "index_folder",
-           "load_index_documents", "passed_documents", "with_documents", "with_documents_raw", "with_tools"]
+           "load_index_documents", "passed_documents", "with_documents", "with_documents_raw"]
 
 log = logging.getLogger(__name__)
 
@@ -104,15 +104,6 @@ def chat_turns(messages: Sequence[ChatMessage]) -> list[ChatTurn]:
             role, content = "user", render_tool_result(content)
         turns.append(ChatTurn(role, content))
     return turns
-
-
-def with_tools(turns: list[ChatTurn], instructions: str) -> list[ChatTurn]:
-    """``turns`` with the tools' instructions at the end of the first system turn (one is added
-    when there is none)."""
-    if turns and turns[0].role == "system":
-        return [ChatTurn("system", f"{turns[0].content}\n\n{instructions}" if turns[0].content else instructions),
-                *turns[1:]]
-    return [ChatTurn("system", instructions), *turns]
 
 
 def with_documents(turns: list[ChatTurn], documents: Sequence[PassedDocument]) -> list[ChatTurn]:

@@ -23,7 +23,9 @@ their defaults: ``skip_special_tokens`` (true), ``min_tokens`` (0), ``ignore_eos
 Streaming differences (documented, as for ``token_ids``): ``logprobs`` of a streamed answer come
 in the chunk that carries ``finish_reason``; a streamed answer with ``tools`` (``tool_choice``
 other than ``none``) is sent whole in that chunk, as content or as ``tool_calls``, since whether
-the model wrote a call is known only at the end.
+the model wrote a call is known only at the end. A forced tool call (``tool_choice``
+``required`` or a function) is one call unless ``parallel_tool_calls`` is true (OpenAI's default
+is true; a small model allowed more keeps writing calls until ``max_tokens``).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from ragcache_backend.model.sampling import SamplingParams
 from ragcache_backend.prompts.builder import MAX_SALT_CHARS
 from ragcache_backend.prompts.recognition import SegmentedPrompt
 from ragcache_backend.retrieval.documents import Document
-from ragcache_backend.prompts.tools import tool_instructions
+from ragcache_backend.prompts.tools import with_tools
 from ragcache_backend.server.constraints import OutputConstraints, output_constraints
 from ragcache_backend.server.errors import APIError, from_engine_error
 from ragcache_backend.server.events import ChunkFrames, MergedStreams
@@ -36,7 +36,6 @@ from ragcache_backend.server.prompting import (
     passed_documents,
     with_documents,
     with_documents_raw,
-    with_tools,
 )
 from ragcache_backend.server.schema import (
     ChatChoice,
@@ -278,7 +277,7 @@ class CompletionService:
             if isinstance(body, ChatCompletionRequest):
                 turns = with_documents(chat_turns(body.messages), documents)
                 if constraints.calls_tools:
-                    turns = with_tools(turns, tool_instructions(constraints.tools))
+                    turns = with_tools(turns, constraints.tools)
                 prompt = self.prompts.chat(turns, reuse)
                 endpoint = CHAT
             else:

@@ -6,25 +6,47 @@ chat template, the documents known to our stores are found inside them
 (:mod:`ragcache_backend.prompts.recognition`) and their KV is served from the knowledge tree.
 ``usage_metadata["input_token_details"]["cache_read"]`` counts the prompt tokens that were reused.
 
-Text content only: image, audio, file and tool-call content is refused with
+Tool calling (``bind_tools``, and through it ``with_structured_output``): the tools are offered
+in the system turn in the Hermes format (:mod:`ragcache_backend.prompts.tools`); a forced call
+(``tool_choice`` ``"any"``/``"required"``/a name, as ``with_structured_output`` uses) is held to
+the tools' JSON Schemas by constrained decoding, so it always parses; the calls come back as
+``AIMessage.tool_calls``. A streamed answer with tools arrives whole in its last chunk, since
+whether the model wrote a call is known only at the end.
+
+Text content only: image, audio and file content is refused with
 :class:`~ragcache_integrations.UnsupportedContentError` (reasoning blocks of earlier assistant
 turns are dropped, as they are not meant to be sent back).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
+import json
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LangSmithParams
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage
+from langchain_core.language_models import LanguageModelInput
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage, ToolMessage
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable
+from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import Field
 
 from ragcache_backend.engine.engine import GenerationResult, StreamChunk
 from ragcache_backend.prompts.recognition import ChatTurn
+from ragcache_backend.prompts.tools import (
+    Tool,
+    parse_tool_calls,
+    parse_tool_choice,
+    parse_tools,
+    render_tool_calls,
+    render_tool_result,
+    tool_grammar,
+    with_tools,
+)
 from ragcache_integrations._params import RAGCacheParams
 from ragcache_integrations._runtime import Generation, UnsupportedContentError
 from ragcache_integrations._server import ServerGeneration
@@ -32,13 +54,16 @@ from ragcache_integrations._server import ServerGeneration
 __all__ = ["ChatRAGCache", "usage_metadata", "response_metadata", "to_chat_turns"]
 
 _ROLES = {"system": "system", "human": "user", "ai": "assistant", "tool": "tool"}
-_DROPPED_BLOCKS = frozenset({"reasoning", "thinking"})
+#: Content blocks left out of the prompt: reasoning (not meant to be sent back) and tool-call
+#: blocks (the same calls are in ``AIMessage.tool_calls``, which are rendered).
+_DROPPED_BLOCKS = frozenset({"reasoning", "thinking", "tool_use", "tool_call", "tool_call_chunk", "function_call"})
 
 
 def to_chat_turns(messages: Sequence[BaseMessage]) -> list[ChatTurn]:
-    """LangChain messages as plain-text chat turns for the model's template.
+    """LangChain messages as plain-text chat turns for the model's template: an AI message's tool
+    calls as the model writes them, a tool message as a ``<tool_response>`` in a user turn.
 
-    Raises UnsupportedContentError for non-text content, tool calls or an unknown message type.
+    Raises UnsupportedContentError for non-text content or an unknown message type.
     """
     turns = []
     for i, message in enumerate(messages):
@@ -46,9 +71,14 @@ def to_chat_turns(messages: Sequence[BaseMessage]) -> list[ChatTurn]:
         if role is None:
             raise UnsupportedContentError(f"message {i} is a {message.type!r} message; "
                                           f"supported: system, human, ai, tool and chat messages")
+        text = _text(message.content, i)
         if isinstance(message, AIMessage) and message.tool_calls:
-            raise UnsupportedContentError(f"message {i} holds tool calls; ChatRAGCache has no tool calling")
-        turns.append(ChatTurn(role, _text(message.content, i)))
+            calls = render_tool_calls([{"function": {"name": c["name"], "arguments": json.dumps(c["args"])}}
+                                       for c in message.tool_calls])
+            text = f"{text}\n{calls}" if text else calls
+        if isinstance(message, ToolMessage) or role == "tool":
+            role, text = "user", render_tool_result(text)
+        turns.append(ChatTurn(role, text))
     return turns
 
 
@@ -134,45 +164,98 @@ class ChatRAGCache(RAGCacheParams, BaseChatModel):
             params["ls_stop"] = stop or self.stop
         return params
 
-    def _prepare(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict) -> Generation | ServerGeneration:
-        return self.chat_generation(to_chat_turns(messages), stop, kwargs)
+    def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable | BaseTool], *,
+                   tool_choice: str | bool | dict | None = None, parallel_tool_calls: bool | None = None,
+                   **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
+        """This model with ``tools`` offered on every call (OpenAI function format after
+        ``convert_to_openai_tool``).
 
-    def _message(self, result: GenerationResult) -> AIMessage:
-        return AIMessage(content=result.answer, usage_metadata=usage_metadata(result),
-                         response_metadata=response_metadata(result, self.reported_model_name()))
+        ``tool_choice``: None or ``"auto"`` (the model decides), ``"none"``, ``"any"`` /
+        ``"required"`` / True (some call is forced), or a tool's name (that call is forced).
+        Forced calls are held to the tools' schemas by constrained decoding; one call, or one or
+        more with ``parallel_tool_calls=True``.
 
-    def _chunk(self, chunk: StreamChunk) -> ChatGenerationChunk:
+        Raises (on the first call): ToolError for a schema that is not valid JSON Schema, or a
+        ``tool_choice`` naming no tool.
+        """
+        formatted = [convert_to_openai_tool(t) for t in tools]
+        if tool_choice is True or tool_choice == "any":
+            tool_choice = "required"
+        elif isinstance(tool_choice, str) and tool_choice not in ("auto", "none", "required"):
+            tool_choice = {"type": "function", "function": {"name": tool_choice}}
+        extra = {"tool_choice": tool_choice} if tool_choice is not None else {}
+        if parallel_tool_calls is not None:
+            extra["parallel_tool_calls"] = parallel_tool_calls
+        return super().bind(tools=formatted, **extra, **kwargs)
+
+    def _prepare(self, messages: list[BaseMessage], stop: list[str] | None,
+                 kwargs: dict) -> tuple[Generation | ServerGeneration, tuple[Tool, ...]]:
+        """The generation, and the tools whose calls are parsed out of its answer (empty: none)."""
+        kwargs = dict(kwargs)
+        tools = parse_tools(kwargs.pop("tools", None) or ())
+        choice = parse_tool_choice(kwargs.pop("tool_choice", None), tools)
+        parallel = kwargs.pop("parallel_tool_calls", None) is True
+        turns = to_chat_turns(messages)
+        if not tools or choice.mode == "none":
+            return self.chat_generation(turns, stop, kwargs), ()
+        return (self.chat_generation(with_tools(turns, tools), stop, kwargs,
+                                     grammar=tool_grammar(tools, choice, parallel=parallel)), tools)
+
+    def _message(self, result: GenerationResult, tools: Sequence[Tool]) -> AIMessage:
+        metadata = response_metadata(result, self.reported_model_name())
+        parsed = parse_tool_calls(result.answer, tools) if tools else None
+        if not parsed or not parsed.calls:
+            return AIMessage(content=result.answer, usage_metadata=usage_metadata(result), response_metadata=metadata)
+        metadata["finish_reason"] = "tool_calls"
+        return AIMessage(content=parsed.content or "", usage_metadata=usage_metadata(result), response_metadata=metadata,
+                         tool_calls=[{"name": c.name, "args": json.loads(c.arguments), "id": c.id, "type": "tool_call"}
+                                     for c in parsed.calls])
+
+    def _chunk(self, chunk: StreamChunk, tools: Sequence[Tool]) -> ChatGenerationChunk | None:
+        """The LangChain chunk of a streamed chunk; with tools, None until the last one, which
+        carries the whole answer (its text or its calls)."""
         if chunk.result is None:
-            return ChatGenerationChunk(message=AIMessageChunk(content=chunk.text))
+            return None if tools else ChatGenerationChunk(message=AIMessageChunk(content=chunk.text))
         result = chunk.result
-        return ChatGenerationChunk(message=AIMessageChunk(
-            content=chunk.text, usage_metadata=usage_metadata(result), chunk_position="last",
-            response_metadata=response_metadata(result, self.reported_model_name()),
-        ))
+        common = dict(usage_metadata=usage_metadata(result), chunk_position="last")
+        if not tools:
+            return ChatGenerationChunk(message=AIMessageChunk(
+                content=chunk.text, response_metadata=response_metadata(result, self.reported_model_name()), **common))
+        message = self._message(result, tools)
+        calls = [{"name": c["name"], "args": json.dumps(c["args"]), "id": c["id"], "index": i, "type": "tool_call_chunk"}
+                 for i, c in enumerate(message.tool_calls)]
+        return ChatGenerationChunk(message=AIMessageChunk(content=message.content, tool_call_chunks=calls,
+                                                          response_metadata=message.response_metadata, **common))
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
-        result = self._prepare(messages, stop, kwargs).run()
-        return ChatResult(generations=[ChatGeneration(message=self._message(result))])
+        generation, tools = self._prepare(messages, stop, kwargs)
+        return ChatResult(generations=[ChatGeneration(message=self._message(generation.run(), tools))])
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
-        result = await self._prepare(messages, stop, kwargs).arun()
-        return ChatResult(generations=[ChatGeneration(message=self._message(result))])
+        generation, tools = self._prepare(messages, stop, kwargs)
+        return ChatResult(generations=[ChatGeneration(message=self._message(await generation.arun(), tools))])
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
-        for chunk in self._prepare(messages, stop, kwargs).stream():
-            out = self._chunk(chunk)
+        generation, tools = self._prepare(messages, stop, kwargs)
+        for chunk in generation.stream():
+            out = self._chunk(chunk, tools)
+            if out is None:
+                continue
             if run_manager:
-                run_manager.on_llm_new_token(chunk.text, chunk=out)
+                run_manager.on_llm_new_token(out.text, chunk=out)
             yield out
 
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
-        async for chunk in self._prepare(messages, stop, kwargs).astream():
-            out = self._chunk(chunk)
+        generation, tools = self._prepare(messages, stop, kwargs)
+        async for chunk in generation.astream():
+            out = self._chunk(chunk, tools)
+            if out is None:
+                continue
             if run_manager:
-                await run_manager.on_llm_new_token(chunk.text, chunk=out)
+                await run_manager.on_llm_new_token(out.text, chunk=out)
             yield out

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 from langchain_core.callbacks import BaseCallbackHandler, get_usage_metadata_callback
-from langchain_core.messages import AIMessage, HumanMessage
+from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate, PromptTemplate
 from langchain_core.runnables import RunnableLambda, RunnablePassthrough
@@ -19,6 +19,7 @@ from ragcache_backend.errors import InvalidRequestError
 from ragcache_backend.prompts.recognition import DocumentRecognizer
 from ragcache_integrations import GenerationTimeoutError, UnsupportedContentError
 from ragcache_integrations.langchain import ChatRAGCache, RAGCacheLLM, RAGCacheRetriever
+from ragcache_integrations.langchain.chat_models import to_chat_turns
 from tests.integrations.rag_prompts import CUSTOM_RAG_PROMPT, RLM_RAG_PROMPT, format_docs
 
 pytestmark = pytest.mark.model
@@ -171,15 +172,18 @@ def test_text_blocks_are_served_and_other_content_refused(engine, short_docs) ->
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
     with pytest.raises(UnsupportedContentError, match="image_url"):
         ask(engine, [{"type": "text", "text": "Describe this."}, image])
-    tool_call = AIMessage("", tool_calls=[{"name": "f", "args": {}, "id": "1", "type": "tool_call"}])
-    with pytest.raises(UnsupportedContentError, match="tool"):
-        ChatRAGCache(engine=engine).invoke([HumanMessage("hi"), tool_call])
+    # tool calls in the history are rendered as the model writes them (the Hermes format)
+    tool_call = AIMessage("", tool_calls=[{"name": "f", "args": {"x": 1}, "id": "1", "type": "tool_call"}])
+    turns = to_chat_turns([HumanMessage("hi"), tool_call, ToolMessage("42", tool_call_id="1")])
+    assert [t.role for t in turns] == ["user", "assistant", "user"]
+    assert turns[1].content == '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+    assert turns[2].content == "<tool_response>\n42\n</tool_response>"
 
 
 def test_call_arguments_are_checked(engine) -> None:
     llm = ChatRAGCache(engine=engine, max_tokens=4)
     with pytest.raises(InvalidRequestError, match="unsupported call arguments"):
-        llm.invoke("hi", frequency_penalty=1.0)
+        llm.invoke("hi", best_of=3)
     with pytest.raises(InvalidRequestError, match="serves"):
         llm.invoke("hi", model="gpt-4o")
     assert llm.invoke("hi", model=engine.model_name, max_tokens=2).usage_metadata["output_tokens"] <= 2

@@ -2,10 +2,13 @@
 
 The unit suite builds models without loading anything (the default engine is lazy). The
 integration suites run on the session's shared engine (real SmolLM2) and FAQ store, with
-``max_tokens=8`` so the ~40 model calls stay fast. Capabilities the model truly lacks are turned
-off through the suites' documented properties: tool calling and structured output (the adapters
-do not implement ``bind_tools`` / ``with_structured_output``, so the suites skip those tests),
-image/audio/PDF input (defaults: off), and model override (one engine serves one model).
+``max_tokens=128`` (a forced tool call or a structured answer needs room) and
+``frequency_penalty=1.0`` (greedy SmolLM2 otherwise repeats itself inside JSON strings until the
+limit). Tool calling and structured output run (``bind_tools``; ``with_structured_output``
+through it). Capabilities the model truly lacks are turned off through the suites' documented
+properties: image/audio/PDF input (defaults: off) and model override (one engine serves one
+model); the agent loop, where the model must choose on its own to call a tool, is an expected
+failure for a 135M model (see the mark).
 """
 
 from __future__ import annotations
@@ -45,11 +48,18 @@ class TestChatRAGCacheIntegration(ChatModelIntegrationTests):
 
     @property
     def chat_model_params(self) -> dict:
-        return {"engine": self.shared_engine, "max_tokens": 8}
+        return {"engine": self.shared_engine, "max_tokens": 128, "frequency_penalty": 1.0}
 
     @property
     def supports_model_override(self) -> bool:
         return False
+
+    @pytest.mark.xfail(reason="tool_choice auto: SmolLM2-135M answers in text and does not choose to call the "
+                              "tool; forced calls (tool_choice any/required/a name) pass test_tool_calling",
+                       strict=False)
+    @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)  # as the suite's own
+    def test_agent_loop(self, model) -> None:
+        super().test_agent_loop(model)
 
     @property
     def supported_usage_metadata_details(self) -> dict:

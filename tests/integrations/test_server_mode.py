@@ -171,3 +171,23 @@ def test_bad_input_gets_a_clear_typed_error(engine, base_url):
         ChatRAGCache(base_url=base_url).resolved_engine()
     with pytest.raises(ServerError):  # the discard port: nothing listens there
         ChatRAGCache(base_url="http://127.0.0.1:9/v1", max_retries=0).invoke("hi")
+
+
+def test_tool_calls_and_penalties_through_the_server_equal_the_embedded_engine(engine, base_url):
+    """A forced tool call and the penalties travel to the server (as vLLM's ``structured_outputs``
+    grammar and sampling fields) and give the embedded engine's answer."""
+    from langchain_core.tools import tool
+
+    @tool
+    def magic_function(input: int) -> int:
+        """Applies a magic function to an input."""
+        return input + 2
+
+    question = "What is the value of magic_function(3)? Use the tool."
+    answers = []
+    for kw in ({"engine": engine}, {"base_url": base_url}):
+        llm = ChatRAGCache(max_tokens=48, frequency_penalty=0.5, repetition_penalty=1.1, top_k=5, **kw)
+        answers.append(llm.bind_tools([magic_function], tool_choice="magic_function").invoke(question))
+    embedded, served = answers
+    assert served.tool_calls and [c["args"] for c in served.tool_calls] == [c["args"] for c in embedded.tool_calls]
+    assert served.tool_calls[0]["name"] == "magic_function"

@@ -88,11 +88,20 @@ def test_forcing_grammar_accepts_calls_and_nothing_else(real_model):
     compiler = GrammarCompiler(tok, [tok.eos_token_id], len(tok))
     good = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
     two = good + '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n'
-    cases = [(ToolChoice("required"), good, True), (ToolChoice("required"), two, True),
+    cases = [(ToolChoice("required"), good, True), (ToolChoice("required"), two, False),
              (ToolChoice("function", "get_time"), good, False),
-             (ToolChoice("required"), '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>\n', False)]
+             (ToolChoice("required"), '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>\n', False),
+             (ToolChoice("required"), '<tool_call>\n{"name": "get_time", "arguments": {"zone": 1}}\n</tool_call>\n', False)]
     for choice, text, ok in cases:
         matcher = compiler.matcher(tool_grammar(tools, choice))
         assert (matcher.follows(tok.encode(text, add_special_tokens=False)) and matcher.accepting) == ok, (choice, text)
-    single = compiler.matcher(tool_grammar(tools, ToolChoice("required"), parallel=False))
-    assert not (single.follows(tok.encode(two, add_special_tokens=False)) and single.accepting)
+    several = compiler.matcher(tool_grammar(tools, ToolChoice("required"), parallel=True))
+    assert several.follows(tok.encode(two, add_special_tokens=False)) and several.accepting
+
+
+def test_a_closing_tag_or_brace_inside_a_string_does_not_cut_the_call():
+    tools = parse_tools([WEATHER])
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "a </tool_call> } b"}}\n</tool_call>\nafter'
+    parsed = parse_tool_calls(text, tools)
+    assert [json.loads(c.arguments) for c in parsed.calls] == [{"city": "a </tool_call> } b"}]
+    assert parsed.content == "after"
