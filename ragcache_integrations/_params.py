@@ -22,6 +22,7 @@ from ragcache_backend.model.grammar import Grammar
 from ragcache_backend.model.loader import DEFAULT_MODEL_NAME
 from ragcache_backend.prompts.builder import Segment
 from ragcache_backend.prompts.recognition import ChatTurn, DocumentRecognizer, PromptSegmenter, SegmentedPrompt
+from ragcache_backend.prompts.tools import Tool, parse_tool_choice, parse_tools, tool_grammar, with_tools
 from ragcache_backend.model.sampling import SamplingParams
 from ragcache_integrations._runtime import Generation, default_engine, known_documents, segmenter
 from ragcache_integrations._server import ServerClient, ServerDocument, ServerError, ServerGeneration, server_client
@@ -170,6 +171,26 @@ class RAGCacheParams(BaseModel):
         generation = make(turns)
         speculation_board().learn(turns, self.recognizer or known_documents(), make, generation.target)
         return generation
+
+    def tool_chat_generation(self, turns: Sequence[ChatTurn], stop: Sequence[str] | None = None,
+                             overrides: Mapping[str, Any] | None = None, *, tools: Sequence[Mapping[str, Any]] = (),
+                             tool_choice: str | Mapping[str, Any] | None = None,
+                             parallel_tool_calls: bool | None = None) -> tuple[Generation | ServerGeneration, tuple[Tool, ...]]:
+        """A ready request for chat ``turns`` that offers ``tools`` (OpenAI function format), and
+        the tools whose calls are to be parsed out of its answer (empty when none are offered or
+        ``tool_choice`` is ``none``). A forced choice (``required``, a function) constrains the
+        answer to well-formed calls (:func:`~ragcache_backend.prompts.tools.tool_grammar`): one,
+        or one or more when ``parallel_tool_calls`` is True.
+
+        Raises:
+            ToolError: a tool that is not a valid function definition, a choice naming no tool.
+        """
+        parsed = parse_tools(tools)
+        choice = parse_tool_choice(tool_choice, parsed)
+        if not parsed or choice.mode == "none":
+            return self.chat_generation(turns, stop, overrides), ()
+        grammar = tool_grammar(parsed, choice, parallel=parallel_tool_calls is True)
+        return self.chat_generation(with_tools(turns, parsed), stop, overrides, grammar=grammar), parsed
 
     def server_generation(self, turns: Sequence[ChatTurn], prompt: str, stop: Sequence[str] | None = None,
                           overrides: Mapping[str, Any] | None = None, *,

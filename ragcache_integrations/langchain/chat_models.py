@@ -37,16 +37,7 @@ from pydantic import Field
 
 from ragcache_backend.engine.engine import GenerationResult, StreamChunk
 from ragcache_backend.prompts.recognition import ChatTurn
-from ragcache_backend.prompts.tools import (
-    Tool,
-    parse_tool_calls,
-    parse_tool_choice,
-    parse_tools,
-    render_tool_calls,
-    render_tool_result,
-    tool_grammar,
-    with_tools,
-)
+from ragcache_backend.prompts.tools import Tool, parse_tool_calls, render_tool_calls, render_tool_result
 from ragcache_integrations._params import RAGCacheParams
 from ragcache_integrations._runtime import Generation, UnsupportedContentError
 from ragcache_integrations._server import ServerGeneration
@@ -192,14 +183,9 @@ class ChatRAGCache(RAGCacheParams, BaseChatModel):
                  kwargs: dict) -> tuple[Generation | ServerGeneration, tuple[Tool, ...]]:
         """The generation, and the tools whose calls are parsed out of its answer (empty: none)."""
         kwargs = dict(kwargs)
-        tools = parse_tools(kwargs.pop("tools", None) or ())
-        choice = parse_tool_choice(kwargs.pop("tool_choice", None), tools)
-        parallel = kwargs.pop("parallel_tool_calls", None) is True
-        turns = to_chat_turns(messages)
-        if not tools or choice.mode == "none":
-            return self.chat_generation(turns, stop, kwargs), ()
-        return (self.chat_generation(with_tools(turns, tools), stop, kwargs,
-                                     grammar=tool_grammar(tools, choice, parallel=parallel)), tools)
+        return self.tool_chat_generation(to_chat_turns(messages), stop, kwargs, tools=kwargs.pop("tools", None) or (),
+                                         tool_choice=kwargs.pop("tool_choice", None),
+                                         parallel_tool_calls=kwargs.pop("parallel_tool_calls", None))
 
     def _message(self, result: GenerationResult, tools: Sequence[Tool]) -> AIMessage:
         metadata = response_metadata(result, self.reported_model_name())

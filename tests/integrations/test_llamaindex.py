@@ -113,3 +113,42 @@ async def test_llm_interface(engine) -> None:
                         blocks=[TextBlock(text="What is this?"), ImageBlock(url="https://example.com/a.png")])
     with pytest.raises(UnsupportedContentError, match="image"):
         llm.chat([image])
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers."""
+    return a * b
+
+
+async def test_function_calling_llm_calls_tools_and_predicts_structures(engine) -> None:
+    """RAGCacheLLM is a FunctionCallingLLM: a required call is well formed (constrained decoding)
+    and carries the right arguments, plain and streamed; predict_and_call runs the tool; the tool's
+    result goes back as a tool message; structured_predict fills a pydantic model."""
+    from llama_index.core.prompts import PromptTemplate
+    from llama_index.core.tools import FunctionTool
+    from pydantic import BaseModel
+
+    tool = FunctionTool.from_defaults(fn=multiply)
+    llm = RAGCacheLLM(engine=engine, max_tokens=64, frequency_penalty=1.0)
+    assert llm.metadata.is_function_calling_model
+    question = "What is 6 times 7? Use the tool."
+    reply = llm.chat_with_tools([tool], user_msg=question, tool_required=True)
+    calls = llm.get_tool_calls_from_response(reply)
+    assert [(c.tool_name, c.tool_kwargs) for c in calls] == [("multiply", {"a": 6, "b": 7})]
+    assert reply.message.additional_kwargs["tool_calls"][0]["function"]["name"] == "multiply"
+    streamed = list(llm.stream_chat_with_tools([tool], user_msg=question, tool_required=True))
+    assert [c.tool_kwargs for c in llm.get_tool_calls_from_response(streamed[-1])] == [{"a": 6, "b": 7}]
+    assert str(llm.predict_and_call([tool], user_msg=question, tool_required=True)) == "42"
+    history = [ChatMessage(role=MessageRole.USER, content=question), reply.message,
+               ChatMessage(role=MessageRole.TOOL, content="42", additional_kwargs={"tool_call_id": calls[0].tool_id})]
+    after = await llm.achat_with_tools([tool], chat_history=history)
+    assert after.message.content is not None
+    with pytest.raises(ValueError, match="tool call"):
+        llm.get_tool_calls_from_response(await llm.achat([ChatMessage(role=MessageRole.USER, content="hi")]))
+
+    class City(BaseModel):
+        name: str
+        country: str
+
+    city = llm.structured_predict(City, PromptTemplate("Name a famous city in {country}."), country="France")
+    assert isinstance(city, City) and city.name
