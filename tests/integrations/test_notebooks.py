@@ -2,7 +2,7 @@
 
 Each notebook runs in a fresh ``python3`` kernel (jupyter_client starts it with this test's own
 interpreter), loads the default engine and the FAQ index, asks 4 real questions twice and plots
-TTFT. Set ``RAGCACHE_WRITE_NOTEBOOKS=1`` to save the executed notebooks back into docs/ (that is
+TTFT, then makes a tool call and gets a structured answer. Set ``RAGCACHE_WRITE_NOTEBOOKS=1`` to save the executed notebooks back into docs/ (that is
 how the committed outputs were made).
 """
 
@@ -46,6 +46,8 @@ def test_notebook_runs_and_shows_cache_hits(name: str) -> None:
         found = re.search(r"new questions reading documents from chunk caches: (\d+)/2", text)
         assert found and int(found.group(1)) >= 1, text  # a document whose context changed too much is recomputed
     assert "same answer: False" not in text
+    assert re.search(r"tool call: \w+ \{", text), text  # a forced tool call, parsed into its arguments
+    assert "structured answer: Answer(" in text, text
     assert "image/png" in kinds  # the TTFT plot
     if os.environ.get("RAGCACHE_WRITE_NOTEBOOKS") == "1":
         nbformat.write(notebook, path)
