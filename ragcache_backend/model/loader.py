@@ -9,6 +9,7 @@ file, works too. Nothing is fetched from a hub: loading is always ``local_files_
 from __future__ import annotations
 
 import hashlib
+import json
 import importlib.util
 import logging
 import os
@@ -97,6 +98,31 @@ def _fingerprint(files: list[Path], dtype: torch.dtype) -> str:
     return digest.hexdigest()[:24]
 
 
+def model_architecture(path: Path) -> str:
+    """The architecture a model file or folder declares, read without loading any weight:
+    ``model_type`` of an HF folder's ``config.json``, or a GGUF file's ``general.architecture``
+    (its key-value header; the tensors are not read). Milliseconds.
+
+    Raises:
+        ModelLoadError: the config or the GGUF header cannot be read or names no architecture.
+    """
+    try:
+        if path.is_file():
+            from gguf import GGUFReader
+
+            field = GGUFReader(path).get_field("general.architecture")
+            if field is None:
+                raise ModelLoadError(f"{path}: the GGUF header names no architecture (general.architecture)")
+            return bytes(field.parts[field.data[0]]).decode()
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path}: cannot read its architecture: {type(exc).__name__}: {exc}") from None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if not isinstance(model_type, str):
+        raise ModelLoadError(f"{path}/config.json has no model_type")
+    return model_type
+
+
 def load_model(
     model: str | os.PathLike[str] | None = None,
     *,
@@ -112,7 +138,8 @@ def load_model(
         device: defaults to :func:`default_device`.
 
     Raises:
-        ModelLoadError: path missing, not a supported architecture, or transformers fails to load it.
+        ModelLoadError: path missing, not a supported architecture (refused before any weight is
+            read, naming the architecture and the supported ones), or transformers fails to load it.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -132,6 +159,10 @@ def load_model(
         folder, kwargs = path, {}
         files = [p for p in path.iterdir() if p.suffix in {".safetensors", ".bin", ".json"}]
         name = path.name
+    architecture = model_architecture(path)
+    if architecture not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(f"{path}: architecture {architecture!r} is not supported; "
+                             f"supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
         lm = AutoModelForCausalLM.from_pretrained(

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from ragcache_backend.errors import ModelLoadError
-from ragcache_backend.model.loader import default_model_path, load_model, parse_dtype
+from ragcache_backend.model.loader import default_model_path, load_model, model_architecture, parse_dtype
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def test_bad_paths_and_architectures(tmp_path, tiny_folder):
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text("{not json")
-    with pytest.raises(ModelLoadError, match="could not load"):
+    with pytest.raises(ModelLoadError, match="cannot read its architecture"):
         load_model(broken)
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
@@ -61,3 +61,17 @@ def test_bad_paths_and_architectures(tmp_path, tiny_folder):
         parse_dtype("int3")
     assert default_model_path().suffix == ".gguf"
     assert json.loads((tiny_folder / "config.json").read_text())["model_type"] == "llama"
+
+
+def test_an_unsupported_architecture_is_refused_before_any_weight_is_read(tmp_path):
+    """A Gemma 3 folder whose weights are garbage: refused for its architecture (named, with the
+    supported list) in well under a second, so the weights were never read."""
+    import time
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3_text"}))
+    (tmp_path / "model.safetensors").write_bytes(b"not weights" * 1000)
+    start = time.perf_counter()
+    with pytest.raises(ModelLoadError, match="'gemma3_text' is not supported; supported: llama, mistral, qwen2"):
+        load_model(tmp_path)
+    assert time.perf_counter() - start < 1.0
+    assert model_architecture(default_model_path()) == "llama"  # a GGUF's header, tensors unread
