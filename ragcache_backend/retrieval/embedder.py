@@ -106,6 +106,12 @@ class Embedder:
                                convert_to_numpy=True, normalize_embeddings=True)
         return np.ascontiguousarray(vectors, dtype=np.float32)
 
+    def count_tokens(self, texts: Sequence[str]) -> int:
+        """Tokens the embedder's tokenizer makes of ``texts`` (special tokens included, before
+        truncation), for usage reports."""
+        tokenizer = self._load().tokenizer
+        return sum(len(ids) for ids in tokenizer(list(texts))["input_ids"])
+
     def embed_query(self, text: str) -> np.ndarray:
         """Embed one query: float32 array [dim] of L2 norm 1.
 

@@ -37,11 +37,18 @@ from ragcache_backend.server.schema import (
     ChatCompletionRequest,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
     ErrorResponse,
     HealthResponse,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from ragcache_backend.server.service import CompletionService, endpoint_label
+from ragcache_backend.server.utilities import TokenRoutes
 from ragcache_backend.server.settings import ServerSettings
 
 __all__ = ["DrainingServer", "bind_socket", "create_app", "serve"]
@@ -171,7 +178,24 @@ def create_app(engine: RAGCacheEngine, settings: ServerSettings | None = None, *
     async def models() -> ModelList:
         return service.models()
 
+    tokens = TokenRoutes(service)
+
+    @v1.post("/embeddings", response_model=EmbeddingResponse)
+    async def embeddings(body: EmbeddingRequest) -> EmbeddingResponse:
+        return await tokens.embeddings(body)
+
     app.include_router(v1)
+    plain = APIRouter(dependencies=[Depends(guard)])  # vLLM's paths, outside /v1
+
+    @plain.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        return tokens.tokenize(body)
+
+    @plain.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        return tokens.detokenize(body)
+
+    app.include_router(plain)
 
     @app.get("/health", response_model=HealthResponse)
     async def health() -> JSONResponse:

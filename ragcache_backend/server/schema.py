@@ -45,10 +45,11 @@ MAX_CHOICES = 16
 __all__ = [
     "ChatChoice", "ChatCompletion", "ChatCompletionChunk", "ChatCompletionRequest", "ChatLogprobs",
     "ChatMessage", "ChunkChoice", "CompletionChoice", "CompletionChunk", "CompletionLogprobs",
-    "CompletionRequest", "CompletionResponse", "DeltaMessage", "ErrorBody", "ErrorResponse",
+    "CompletionRequest", "CompletionResponse", "DeltaMessage", "DetokenizeRequest", "DetokenizeResponse",
+    "Embedding", "EmbeddingRequest", "EmbeddingResponse", "EmbeddingUsage", "ErrorBody", "ErrorResponse",
     "ExplicitDocument", "FunctionCall", "HealthResponse", "MAX_CHOICES", "ModelCard", "ModelList",
     "PromptTokensDetails", "RAGCacheInfo", "ResponseMessage", "StreamOptions", "TextPart", "TokenLogprob",
-    "ToolCallDelta", "ToolCallOut", "TopTokenLogprob", "Usage",
+    "TokenizeRequest", "TokenizeResponse", "ToolCallDelta", "ToolCallOut", "TopTokenLogprob", "Usage",
 ]
 
 
@@ -480,3 +481,60 @@ class ErrorResponse(BaseModel):
 
     error: ErrorBody
 
+
+
+# ---- token and embedding utilities ------------------------------------------------------------------
+class TokenizeRequest(_Strict):
+    """``POST /tokenize`` (vLLM's): a ``prompt`` as is, or chat ``messages`` through the chat template
+    (with the assistant turn opened), as generation would see them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool | None = None
+    add_special_tokens: bool | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize`` (vLLM's): token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class EmbeddingRequest(_Strict):
+    """``POST /v1/embeddings``: the retrieval embedder's vectors (L2-normalised float32)."""
+
+    input: str | list[str] = Field(..., min_length=1)
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] | None = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # str: base64 of little-endian float32
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage

@@ -58,7 +58,8 @@ log = logging.getLogger(__name__)
 
 #: Endpoint labels (metrics) of the two generation routes.
 CHAT, COMPLETIONS = "chat.completions", "completions"
-_LABELS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS, "/v1/models": "models"}
+_LABELS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS, "/v1/models": "models",
+           "/v1/embeddings": "embeddings", "/tokenize": "tokenize", "/detokenize": "detokenize"}
 
 
 def endpoint_label(path: str) -> str:

@@ -369,3 +369,39 @@ async def test_a_tool_conversation_renders_calls_and_results(api):
     response = await api.post("/v1/chat/completions", json={"messages": messages, "tools": [TOOL], "max_tokens": 3})
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["finish_reason"] in {"length", "stop", "tool_calls"}
+
+
+async def test_tokenize_and_detokenize(api, engine):
+    data = (await api.post("/tokenize", json={"prompt": "Hello there"})).json()
+    assert data["tokens"] == engine.loaded.tokenizer.encode("Hello there", add_special_tokens=False)
+    assert data["count"] == len(data["tokens"]) and data["max_model_len"] == engine.loaded.context_window
+    chat = (await api.post("/tokenize", json={"messages": HI})).json()
+    served = (await api.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 1})).json()
+    assert chat["count"] == served["usage"]["prompt_tokens"]  # the prompt generation sees
+    back = (await api.post("/detokenize", json={"tokens": data["tokens"]})).json()
+    assert back["prompt"] == "Hello there"
+    assert_error(await api.post("/detokenize", json={"tokens": [10**9]}), 400, "invalid_value", "tokens")
+    assert_error(await api.post("/tokenize", json={}), 400, None, "prompt")
+    assert_error(await api.post("/tokenize", json={"prompt": "x", "model": "nope"}), 404, "model_not_found")
+
+
+async def test_embeddings_are_the_retrieval_embedders(api):
+    import base64
+
+    import numpy as np
+
+    from ragcache_backend.retrieval.embedder import Embedder
+
+    texts = ["How do I copy a list?", "Tuples are immutable."]
+    data = (await api.post("/v1/embeddings", json={"input": texts})).json()
+    assert [d["index"] for d in data["data"]] == [0, 1] and data["usage"]["prompt_tokens"] > 0
+    expect = Embedder().embed(texts)
+    got = np.array([d["embedding"] for d in data["data"]], dtype=np.float32)
+    assert np.allclose(got, expect, atol=1e-5)
+    b64 = (await api.post("/v1/embeddings", json={"input": texts[0], "encoding_format": "base64",
+                                                  "model": data["model"]})).json()
+    assert np.allclose(np.frombuffer(base64.b64decode(b64["data"][0]["embedding"]), "<f4"), expect[0], atol=1e-5)
+    assert_error(await api.post("/v1/embeddings", json={"input": ["ok", ""]}), 400, "invalid_value", "input")
+    assert_error(await api.post("/v1/embeddings", json={"input": "x", "dimensions": 8}), 400,
+                 "unsupported_parameter", "dimensions")
+    assert_error(await api.post("/v1/embeddings", json={"input": "x", "model": "ada"}), 404, "model_not_found")

@@ -154,3 +154,14 @@ def test_completions_with_vllm_structured_outputs(client):
     answer = client.completions.create(prompt="Is water wet? Answer:", max_tokens=4, temperature=0,
                                        model=openai.NOT_GIVEN, extra_body={"structured_outputs": {"choice": [" yes", " no"]}})
     assert answer.choices[0].text in {" yes", " no"}
+
+
+def test_embeddings_and_tokenize_for_openai_and_vllm_clients(client, server):
+    import httpx
+
+    from ragcache_backend.retrieval.embedder import DEFAULT_EMBEDDER_NAME
+
+    vectors = client.embeddings.create(input=["a list", "a tuple"], model=DEFAULT_EMBEDDER_NAME)
+    assert len(vectors.data) == 2 and len(vectors.data[0].embedding) == 384
+    tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello"}).json()["tokens"]
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": tokens}).json()["prompt"] == "Hello"
