@@ -151,8 +151,14 @@ def _not_a_folder(value: Path) -> Path:
 
 
 def _existing_model(value: Optional[str]) -> Optional[str]:
-    if value and not Path(value).expanduser().exists():
-        raise typer.BadParameter(f"model path does not exist: {value}")
+    from ragcache_backend.errors import ModelLoadError
+    from ragcache_backend.model.loader import resolve_model
+
+    if value:
+        try:
+            resolve_model(value)
+        except ModelLoadError as exc:
+            raise typer.BadParameter(str(exc)) from None
     return value
 
 
@@ -180,12 +186,14 @@ def _user_errors() -> Iterator[None]:
 
 def _precheck(corpus: Optional[Path], model: Optional[str]) -> None:
     """Cheap checks before minutes of indexing or seconds of model loading."""
-    from ragcache_backend.errors import CorpusError, ModelLoadError
+    from ragcache_backend.errors import CorpusError
 
     if corpus is not None and not corpus.is_dir():
         raise CorpusError(f"corpus folder does not exist: {corpus}")
-    if model is not None and not Path(model).expanduser().exists():
-        raise ModelLoadError(f"model path does not exist: {model}")
+    if model is not None:
+        from ragcache_backend.model.loader import resolve_model
+
+        resolve_model(model)  # raises ModelLoadError naming the path and the packaged models
 
 
 def _quiet_loaders() -> None:
@@ -230,7 +238,7 @@ def _store(corpus: Optional[Path], *, rebuild: bool = False):
     return build_index(corpus, progress=True, rebuild=rebuild)
 
 
-MODEL = typer.Option(None, "--model", help="GGUF file or HF folder of a Llama-family model (default: SmolLM2-135M-Instruct)")
+MODEL = typer.Option(None, "--model", help="GGUF file, HF folder or packaged model name (default: SmolLM2-135M-Instruct)")
 DTYPE = _choice_option("float32", "--dtype", NameChoice("dtype", DTYPES, DTYPE_ALIASES),
                        help="weights and KV dtype (also fp32, bf16, fp16)")
 THREADS = typer.Option(os.cpu_count() or 1, "--threads", min=1, help="torch threads")
@@ -422,12 +430,15 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 @app.command()
 def serve(
+    model_arg: Optional[str] = typer.Argument(None, metavar="MODEL", callback=_existing_model,
+                                              help="GGUF file, HF folder or packaged model name "
+                                                   "(default: SmolLM2-135M-Instruct); same as --model"),
     config_file: Optional[Path] = typer.Option(None, "--config", exists=True, dir_okay=False,
                                                help="TOML or JSON file of settings (flags > RAGCACHE_* env > file)"),
     host: Optional[str] = typer.Option(None, "--host", help="interface to listen on (default 127.0.0.1)"),
     port: Optional[int] = typer.Option(None, "--port", min=1, max=65535, help="TCP port (default 8000)"),
     model: Optional[str] = typer.Option(None, "--model", callback=_existing_model,
-                                        help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)"),
+                                        help="GGUF file, HF folder or packaged model name (default: SmolLM2-135M-Instruct)"),
     dtype: Optional[str] = typer.Option(None, "--dtype", parser=NameChoice("dtype", DTYPES, DTYPE_ALIASES),
                                         metavar="[float32|bfloat16|float16]", help="weights and KV dtype (default float32)"),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch threads"),
@@ -467,9 +478,14 @@ def serve(
         None, "--remember-documents/--no-remember-documents",
         help="keep learned documents across restarts (default on; off: that file is neither read nor written)"),
 ) -> None:
-    """Serve an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)."""
+    """Serve an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models,
+    /tokenize, /detokenize, /health, /metrics)."""
     with _user_errors():
         from ragcache_backend.errors import InvalidRequestError
+
+        if model_arg is not None and model is not None and model_arg != model:
+            raise InvalidRequestError(f"two models given: {model_arg!r} and --model {model!r}; give one")
+        model = model or model_arg
 
         try:
             from ragcache_backend.server.app import bind_socket

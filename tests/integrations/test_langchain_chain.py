@@ -207,3 +207,26 @@ def test_retriever_streams_candidates_and_checks_arguments(faq_store) -> None:
     assert all(d.page_content == faq_store.get(d.id).text for d in final)
     with pytest.raises(InvalidRequestError, match="unsupported retriever arguments"):
         retriever.invoke(question, top_k=2)
+
+
+def test_model_picks_the_embedded_engine_one_per_model(tiny_model, tmp_path, monkeypatch) -> None:
+    """``model=`` (a folder, a .gguf or a packaged name) gives adapters the process-wide engine of
+    that model, one per model file, shared by LangChain and LlamaIndex alike."""
+    from pydantic import ValidationError
+
+    from ragcache_backend.errors import ModelLoadError
+    from ragcache_integrations._runtime import engine_for
+    from ragcache_integrations.llamaindex import RAGCacheLLM as LlamaLLM
+
+    monkeypatch.setenv("RAGCACHE_HOME", str(tmp_path / "home"))  # the tiny model's prefill profile goes there
+    folder = tmp_path / "tiny-llama"
+    tiny_model.model.save_pretrained(folder)
+    tiny_model.tokenizer.save_pretrained(folder)
+    chat, llama = ChatRAGCache(model=str(folder), max_tokens=3), LlamaLLM(model=str(folder), max_tokens=3)
+    assert chat.resolved_engine() is llama.resolved_engine() is engine_for(str(folder))
+    assert chat.reported_model_name() == "tiny-llama" and chat.invoke("hi").usage_metadata["output_tokens"] <= 3
+    with pytest.raises(ModelLoadError, match="packaged model"):
+        ChatRAGCache(model=str(tmp_path / "missing")).invoke("hi")
+    with pytest.raises(ValidationError, match="model="):
+        ChatRAGCache(model=str(folder), base_url="http://127.0.0.1:9/v1")
+    engine_for(str(folder)).close()

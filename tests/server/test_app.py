@@ -245,6 +245,8 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
     (["serve", "--dtype", "int4"], "unknown dtype"),
     (["serve", "--log-level", "loud"], "unknown log level"),
     (["serve", "--model", "/no/such/model"], "does not exist"),
+    (["serve", "/no/such/model"], "packaged model"),
+    (["serve", "smollm2", "--model", "/tmp"], "two models given"),
     (["serve", "--config", "/no/such/file.toml"], "--config"),
     (["ask", "q", "--disk-budget-mib", "-1"], "--disk-budget-mib"),
 ])
