@@ -191,9 +191,9 @@ def _precheck(corpus: Optional[Path], model: Optional[str]) -> None:
     if corpus is not None and not corpus.is_dir():
         raise CorpusError(f"corpus folder does not exist: {corpus}")
     if model is not None:
-        from ragcache_backend.model.loader import resolve_model
+        from ragcache_backend.model.loader import check_architecture, resolve_model
 
-        resolve_model(model)  # raises ModelLoadError naming the path and the packaged models
+        check_architecture(resolve_model(model))  # ModelLoadError: no such path, or an architecture we cannot run
 
 
 def _quiet_loaders() -> None:
@@ -517,12 +517,13 @@ def serve(
         level = "DEBUG" if settings.log_level == "trace" else settings.log_level.upper()
         logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s")  # the engine's and disk tier's logs
         logging.getLogger("ragcache_backend").setLevel(level)
-        try:
-            engine = _engine(config)
-        except BaseException:
-            sock.close()
-            raise
-        run_server(engine, settings, sock, index_documents=index_documents)
+        from ragcache_backend.engine.engine import RAGCacheEngine
+
+        # the port answers at once (/health: "starting"); the model loads, and on a fresh machine its
+        # prefill profile is measured, in the background
+        err.print("loading the model (and, the first time, measuring its prefill profile) while listening...",
+                  highlight=False)
+        run_server(lambda: RAGCacheEngine(config), settings, sock, index_documents=index_documents)
 
 
 #: Bounds of ``ragcache bench``'s numeric options (0 means "the mode's default" where allowed).

@@ -148,6 +148,18 @@ def model_architecture(path: Path) -> str:
     return model_type
 
 
+def check_architecture(path: Path) -> str:
+    """``path``'s architecture (:func:`model_architecture`) when we can run it.
+
+    Raises:
+        ModelLoadError: unreadable, or not supported (naming it and the supported ones)."""
+    architecture = model_architecture(path)
+    if architecture not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(f"{path}: architecture {architecture!r} is not supported; "
+                             f"supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}")
+    return architecture
+
+
 def load_model(
     model: str | os.PathLike[str] | None = None,
     *,
@@ -184,10 +196,7 @@ def load_model(
         folder, kwargs = path, {}
         files = [p for p in path.iterdir() if p.suffix in {".safetensors", ".bin", ".json"}]
         name = path.name
-    architecture = model_architecture(path)
-    if architecture not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(f"{path}: architecture {architecture!r} is not supported; "
-                             f"supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}")
+    check_architecture(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
         lm = AutoModelForCausalLM.from_pretrained(

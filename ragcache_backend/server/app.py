@@ -1,7 +1,9 @@
 """The FastAPI app (:func:`create_app`) and the uvicorn runner with a graceful drain (:func:`serve`).
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with ``stream``),
-``GET /v1/models``, ``GET /health``, ``GET /metrics``. Every error is OpenAI-shaped
+``GET /v1/models``, ``POST /v1/embeddings``, ``POST /tokenize``, ``POST /detokenize``,
+``GET /health``, ``GET /metrics``; all ask a :class:`~ragcache_backend.server.startup.ServiceSlot`
+for the service, so a server can listen before its engine is built. Every error is OpenAI-shaped
 (``{"error": {"message", "type", "param", "code"}}``): malformed JSON, unknown fields and bad values
 are 400, an unknown model 404, a busy or draining server 503, an engine failure 500.
 
@@ -17,7 +19,10 @@ import contextlib
 import logging
 import signal
 import socket
-from collections.abc import Awaitable, Iterator, Sequence
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from pathlib import Path
 from types import FrameType
 from typing import TypeVar
 
@@ -28,6 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ragcache_backend.engine.engine import RAGCacheEngine
+from ragcache_backend.model.loader import DEFAULT_MODEL_NAME
 from ragcache_backend.retrieval.documents import Document
 from ragcache_backend.server.errors import APIError
 from ragcache_backend.server.heap import HeapTrimmer
@@ -48,6 +54,7 @@ from ragcache_backend.server.schema import (
     TokenizeResponse,
 )
 from ragcache_backend.server.service import CompletionService, endpoint_label
+from ragcache_backend.server.startup import ServiceSlot
 from ragcache_backend.server.utilities import TokenRoutes
 from ragcache_backend.server.settings import ServerSettings
 
@@ -123,19 +130,34 @@ def create_app(engine: RAGCacheEngine, settings: ServerSettings | None = None, *
     """
     settings = settings or ServerSettings()
     service = CompletionService(engine, settings, index_documents=index_documents)
+    app = app_over(ServiceSlot(service), settings)
+    app.state.service = service
+    return app
+
+
+def app_over(slot: ServiceSlot, settings: ServerSettings) -> FastAPI:
+    """The app over ``slot``: every route asks it for the service (503 ``starting`` until there is
+    one). ``app.state.slot`` is the slot."""
     app = FastAPI(title="ragcache", summary="OpenAI-compatible API with document-level KV caching",
                   responses={400: {"model": ErrorResponse}})
-    app.state.service = service
+    app.state.slot = slot
+
+    def failed(path: str, status: int) -> None:
+        if slot.ready:
+            slot.get().metrics.failed(endpoint_label(path), status)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        service.metrics.failed(endpoint_label(request.url.path), exc.status)
-        return _error_response(exc)
+        failed(request.url.path, exc.status)
+        response = _error_response(exc)
+        if exc.body.error.code == "starting":
+            response.headers["Retry-After"] = "5"
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         error = _validation_error(exc)
-        service.metrics.failed(endpoint_label(request.url.path), error.status)
+        failed(request.url.path, error.status)
         return _error_response(error)
 
     @app.exception_handler(StarletteHTTPException)
@@ -150,18 +172,27 @@ def create_app(engine: RAGCacheEngine, settings: ServerSettings | None = None, *
                                         code="internal_error"))
 
     def guard(authorization: str | None = Header(None)) -> None:
-        """Bearer authentication (when an api_key is set) and the drain's 503."""
+        """Bearer authentication (when an api_key is set), then 503 while starting or draining."""
         key = settings.api_key.get_secret_value() if settings.api_key is not None else None
         if key and authorization != f"Bearer {key}":
             raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)",
                            type="authentication_error", code="invalid_api_key")
-        service.check_open()
+        slot.get().check_open()
+
+    routes: list[TokenRoutes] = []  # one per service (it holds the embedder, loaded on first use)
+
+    def tokens() -> TokenRoutes:
+        service = slot.get()
+        if not routes or routes[0].service is not service:
+            routes[:] = [TokenRoutes(service)]
+        return routes[0]
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(guard)])
 
     @v1.post("/chat/completions", response_model=ChatCompletion, response_model_exclude_none=True)
     async def chat_completions(body: ChatCompletionRequest, request: Request,
                                x_cache_salt: str | None = Header(None)):
+        service = slot.get()
         req = service.prepare(body, x_cache_salt)
         if req.stream:
             return _EventStream(await service.open_stream(req))
@@ -169,6 +200,7 @@ def create_app(engine: RAGCacheEngine, settings: ServerSettings | None = None, *
 
     @v1.post("/completions", response_model=CompletionResponse, response_model_exclude_none=True)
     async def completions(body: CompletionRequest, request: Request, x_cache_salt: str | None = Header(None)):
+        service = slot.get()
         req = service.prepare(body, x_cache_salt)
         if req.stream:
             return _EventStream(await service.open_stream(req))
@@ -176,35 +208,33 @@ def create_app(engine: RAGCacheEngine, settings: ServerSettings | None = None, *
 
     @v1.get("/models", response_model=ModelList)
     async def models() -> ModelList:
-        return service.models()
-
-    tokens = TokenRoutes(service)
+        return slot.get().models()
 
     @v1.post("/embeddings", response_model=EmbeddingResponse)
     async def embeddings(body: EmbeddingRequest) -> EmbeddingResponse:
-        return await tokens.embeddings(body)
+        return await tokens().embeddings(body)
 
     app.include_router(v1)
     plain = APIRouter(dependencies=[Depends(guard)])  # vLLM's paths, outside /v1
 
     @plain.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        return tokens.tokenize(body)
+        return tokens().tokenize(body)
 
     @plain.post("/detokenize", response_model=DetokenizeResponse)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        return tokens.detokenize(body)
+        return tokens().detokenize(body)
 
     app.include_router(plain)
 
     @app.get("/health", response_model=HealthResponse)
     async def health() -> JSONResponse:
-        body = service.health()
-        return JSONResponse(body.model_dump(), status_code=503 if body.status == "draining" else 200)
+        body = slot.health()
+        return JSONResponse(body.model_dump(), status_code=200 if body.status == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(service.metrics.render(), media_type=CONTENT_TYPE)
+        return Response(slot.get().metrics.render(), media_type=CONTENT_TYPE)
 
     return app
 
@@ -213,12 +243,12 @@ class DrainingServer(uvicorn.Server):
     """uvicorn's server that turns the app's service to draining on SIGTERM/SIGINT and, once it
     stopped gracefully, returns normally (exit status 0) instead of re-raising the signal."""
 
-    def __init__(self, config: uvicorn.Config, service: CompletionService) -> None:
+    def __init__(self, config: uvicorn.Config, slot: ServiceSlot) -> None:
         super().__init__(config)
-        self.service = service
+        self.slot = slot
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        self.service.begin_drain()
+        self.slot.begin_drain()
         super().handle_exit(sig, frame)
 
     @contextlib.contextmanager
@@ -258,26 +288,59 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(engine: RAGCacheEngine, settings: ServerSettings, sock: socket.socket | None = None, *,
-          index_documents: Sequence[Document] | None = None) -> None:
-    """Serve ``engine`` until SIGTERM or SIGINT, drain, then close the engine.
+def serve(engine: RAGCacheEngine | Callable[[], RAGCacheEngine], settings: ServerSettings,
+          sock: socket.socket | None = None, *, index_documents: Sequence[Document] | None = None) -> None:
+    """Serve until SIGTERM or SIGINT, drain, then close the engine.
 
     Args:
-        engine: the engine; closed (remaining requests cancelled) when the server stops.
+        engine: the engine, or a function that builds it: then the server listens at once,
+            answers ``/health`` with ``starting`` (503) while it runs in a background thread, and
+            serves once it returns (:mod:`~ragcache_backend.server.startup`). The engine is closed
+            (remaining requests cancelled) when the server stops.
         settings: host, port, log level, drain timeout...
         sock: an already bound socket (see :func:`bind_socket`); None binds ``settings.host:port``.
         index_documents: the documents of ``settings.index`` if already loaded (None: loaded here).
+
+    Raises:
+        whatever building the engine raised (ModelLoadError...), once the server has stopped.
     """
-    app = create_app(engine, settings, index_documents=index_documents)
+    built: list[RAGCacheEngine] = []
+    if isinstance(engine, RAGCacheEngine):
+        service = CompletionService(engine, settings, index_documents=index_documents)
+        slot = ServiceSlot(service)
+        built.append(engine)
+    else:
+        slot = ServiceSlot(model=settings.served_model_name or Path(settings.model or DEFAULT_MODEL_NAME).name)
+    app = app_over(slot, settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             timeout_graceful_shutdown=settings.drain_timeout, lifespan="off")
-    server = DrainingServer(config, app.state.service)
+    server = DrainingServer(config, slot)
+
+    def build() -> None:
+        try:
+            started = time.monotonic()
+            built.append(engine())
+            slot.set(CompletionService(built[0], settings, index_documents=index_documents))
+            logging.getLogger("uvicorn.error").info("ragcache ready: %s loaded in %.1f s", slot.get().model_name,
+                                                    time.monotonic() - started)
+        except BaseException as exc:  # the server cannot serve: stop it, the caller raises the error
+            slot.failure = exc
+            server.should_exit = True
+
+    builder = None if slot.ready else threading.Thread(target=build, name="ragcache-startup", daemon=True)
     try:
         if sock is not None:
             host, port = sock.getsockname()[:2]
-            logging.getLogger("uvicorn.error").info("ragcache serving %s on http://%s:%d (Ctrl+C to stop)",
-                                                    app.state.service.model_name, host, port)
+            logging.getLogger("uvicorn.error").info("ragcache %s on http://%s:%d (Ctrl+C to stop)",
+                                                    "serving" if slot.ready else "starting", host, port)
+        if builder is not None:
+            builder.start()
         with HeapTrimmer():  # the host tier's freed buffers go back to the OS (server/heap.py)
             server.run(sockets=[sock] if sock is not None else None)
     finally:
-        engine.close(cancel=True, timeout=30.0)
+        if builder is not None:
+            builder.join()
+        for built_engine in built:
+            built_engine.close(cancel=True, timeout=30.0)
+    if slot.failure is not None:
+        raise slot.failure

@@ -460,9 +460,10 @@ class ModelList(BaseModel):
 
 
 class HealthResponse(BaseModel):
-    """``GET /health``: ``status`` is ``ok``, or ``draining`` while shutting down (then HTTP 503)."""
+    """``GET /health``: ``status`` is ``ok``; ``starting`` while the model loads and ``draining``
+    while shutting down (both HTTP 503)."""
 
-    status: Literal["ok", "draining"]
+    status: Literal["ok", "starting", "draining"]
     model: str
     in_flight: int
     waiting: int
