@@ -302,9 +302,13 @@ class CompletionService:
         """Open the request's ``n`` streams and wait for each one's first chunk; on any failure every
         stream is closed and the error raised."""
         streams = [self._open(req, i) for i in range(req.n)]
+        tasks = [asyncio.ensure_future(anext(s)) for s in streams]
         try:
-            firsts = list(await asyncio.gather(*(anext(s) for s in streams)))
+            firsts = list(await asyncio.gather(*tasks))
         except BaseException:
+            for task in tasks:  # a stream is closed only once its pending read has ended
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             for stream in streams:
                 await stream.aclose()
             raise

@@ -407,3 +407,11 @@ async def test_embeddings_are_the_retrieval_embedders(api):
     assert_error(await api.post("/v1/embeddings", json={"input": "x", "dimensions": 8}), 400,
                  "unsupported_parameter", "dimensions")
     assert_error(await api.post("/v1/embeddings", json={"input": "x", "model": "ada"}), 404, "model_not_found")
+
+
+async def test_a_bad_choice_among_several_fails_the_request_and_frees_the_others(api, engine):
+    """n=3 with a grammar that compiles for none: a 400, and nothing left running."""
+    response = await api.post("/v1/chat/completions", json={"messages": HI, "n": 3, "max_tokens": 4,
+                                                            "structured_outputs": {"grammar": "start: ???"}})
+    assert_error(response, 400)
+    assert (await api.get("/health")).json()["in_flight"] == 0 and engine.in_flight == 0
