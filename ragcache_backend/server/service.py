@@ -81,8 +81,9 @@ class PreparedRequest:
         include_usage: streaming: add a last chunk with ``usage``.
         arrived: ``time.perf_counter()`` at arrival.
         return_token_ids: put the generated token ids in the choice (vLLM's ``return_token_ids``).
-        n: choices to generate (each a request of its own on the engine; the prompt's KV is
-            computed once and reused by the others through the knowledge tree).
+        n: choices to generate (each a request of its own on the engine; the prompt is computed
+            about once: the others reuse its KV through the knowledge tree, as the test
+            ``test_several_choices_compute_the_prompt_once`` checks).
         constraints: the output's grammar and the tools to parse out of the answer.
     """
 

@@ -415,3 +415,22 @@ async def test_a_bad_choice_among_several_fails_the_request_and_frees_the_others
                                                             "structured_outputs": {"grammar": "start: ???"}})
     assert_error(response, 400)
     assert (await api.get("/health")).json()["in_flight"] == 0 and engine.in_flight == 0
+
+
+async def test_several_choices_compute_the_prompt_once(api):
+    """n=3 over a fresh prompt: submitted together, one choice prefills it and the other two reuse
+    its blocks (the server's computed-token counter grows by about one prompt, not three)."""
+    import re
+
+    async def counter() -> float:
+        text = (await api.get("/metrics")).text
+        found = re.search(r'^ragcache_prompt_tokens_computed_total\{endpoint="chat.completions"\} (\S+)$', text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    body = {"messages": [{"role": "user", "content": "A fresh prompt about herons and slate quarries. " * 8}],
+            "max_tokens": 2, "n": 3, "temperature": 1.0, "seed": 1}
+    before = await counter()
+    data = (await api.post("/v1/chat/completions", json=body)).json()
+    assert len(data["choices"]) == 3
+    prompt = data["usage"]["prompt_tokens"]
+    assert await counter() - before < 1.5 * prompt, (prompt, await counter() - before)
