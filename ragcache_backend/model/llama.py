@@ -9,9 +9,10 @@ Several sequences run in one forward (continuous batching): the linear layers se
 tokens concatenated (Q/K/V and gate/up fused into one GEMM each, every weight prepacked for oneDNN
 on the CPU), attention runs per sequence over its own context.
 
-Two paths, picked once per model (:attr:`PagedLlama.kernel_tag`): the torch path (reference
-kernels of :mod:`ragcache_backend.model.kernels`), and on an AVX512-BF16 CPU in bf16 the native
-kernels (paged attention straight over the arena; with SiLU models also the fused row-wise steps).
+Two paths, picked once per model and logged (:attr:`PagedLlama.kernel_tag`): the torch path
+(reference kernels of :mod:`ragcache_backend.model.kernels`), and the native kernels (paged
+attention straight over the arena; with SiLU models also the fused row-wise steps) in float32 on
+any x86 CPU with AVX2 and FMA, or in bf16 on one with AVX512-BF16.
 
 Chunk-cache sequences (Cache-Craft §3.2-3.4) hook into every layer through their
 :class:`~ragcache_backend.model.chunk_rows.ChunkRows` (attention over explicit positions,
@@ -20,6 +21,7 @@ statistics, deviation, rows that stop part-way: :meth:`~ragcache_backend.model.f
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -34,6 +36,8 @@ from ragcache_backend.model.kernels.linear import Linear, pack_linear
 from ragcache_backend.model.loader import LoadedModel
 
 __all__ = ["PagedLlama"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -105,7 +109,7 @@ class PagedLlama:
     Attributes:
         num_layers, num_heads, num_kv_heads, head_dim: the model's attention geometry.
         inv_freq: float32 ``[head_dim / 2]`` RoPE inverse frequencies on the model's device.
-        native_attention: attention runs on the native bf16 kernel.
+        native_attention: attention runs on the native kernel (float32 AVX2 or bf16 AVX512-BF16).
         native_fused: the row-wise steps between the GEMMs run fused too.
         stat_layers: layers whose attention statistics are recorded (``stat_segments``).
     """
@@ -129,15 +133,22 @@ class PagedLlama:
         self._rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
         self._scale = float(getattr(layers[0].self_attn, "scaling", self.head_dim**-0.5))
         self._weights = [_fuse_layer(layer) for layer in layers]
-        # bf16 on an AVX512-BF16 CPU: attention reads the arena directly (no per-layer gather) and
-        # every row is computed alone, so cached and uncached prompts agree bit for bit
+        # float32 on an AVX2 CPU, bf16 on an AVX512-BF16 one: attention reads the arena directly (no
+        # per-layer gather) for the whole step, and every prompt row is computed alone
         group = self.num_heads // self.num_kv_heads
-        self.native_attention = native.available(self.dtype, self.device, self.head_dim, group)
+        why_not = native.unavailable_reason(self.dtype, self.device, self.head_dim, group)
+        self.native_attention = why_not is None
         # ... and the row-wise steps between the GEMMs run fused (RoPE + KV write, add + RMSNorm,
         # SiLU * up): a decode step of a small model is mostly the dispatch of those small ops
         self.native_fused = self.native_attention and getattr(cfg, "hidden_act", "") == "silu" and native.fused_available(
             self.dtype, self.device, hidden=cfg.hidden_size, intermediate=self._weights[0].gate_up.weight.shape[0] // 2,
             head_dim=self.head_dim, group=group)
+        if self.native_attention:
+            log.info("forward path: %s (%s kernels on %s)%s", self.kernel_tag, str(self.dtype).removeprefix("torch."),
+                     native.instruction_set(self.dtype),
+                     "" if self.native_fused else f"; row-wise steps on torch (activation {getattr(cfg, 'hidden_act', '?')})")
+        else:
+            log.info("forward path: torch (%s)", why_not)
         self._final_norm = (self._norm.weight.detach(), float(getattr(self._norm, "variance_epsilon", getattr(self._norm, "eps", 1e-6))))
         #: layers whose attention statistics are recorded (``stat_segments``); all by default
         self.stat_layers: frozenset[int] = frozenset(range(self.num_layers))
@@ -209,7 +220,7 @@ class PagedLlama:
             c.after_write(before, q, kc, vc, a, layer, self._scale, attention, stat_layer)
 
     def _layers_fused(self, h: torch.Tensor, st: StepRows, arena: KVArena) -> torch.Tensor:
-        """Every decoder layer with the native bf16 kernels; ``h`` (the residual stream) is
+        """Every decoder layer with the native kernels (float32 or bf16); ``h`` (the residual stream) is
         updated in place. Returns the final-normed hidden states ``[N, hidden]``."""
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         cos, sin = self._rope_tables(st, torch.float32)

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ragcache_backend.model.kernels import native
+
 log = logging.getLogger(__name__)
 _REDUCED = (torch.bfloat16, torch.float16)
 ROW_TILE = 128
@@ -116,14 +118,19 @@ class Linear:
         packed: the oneDNN-packed weight, or None for ``F.linear``.
         per_step: its input rows are a forward step's rows (a decoder layer's GEMMs); False for
             rows picked out of a step (the LM head's), which on AMX CPUs always run as small calls.
+        rows_kernel: float32 calls of at most :data:`~ragcache_backend.model.kernels.native.LINEAR_ROWS_MAX`
+            rows (decode steps) take the native kernel that reads the weight once for all rows.
     """
 
     weight: torch.Tensor
     bias: torch.Tensor | None
     packed: torch.Tensor | None = None
     per_step: bool = True
+    rows_kernel: bool = False
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rows_kernel and x.shape[0] <= native.LINEAR_ROWS_MAX and x.dtype == torch.float32:
+            return native.linear_rows(x, self.weight, self.bias)  # few rows: bound by reading the weight
         if _AMX and x.dtype in _REDUCED and x.device.type == "cpu":
             return self._by_class(x)
         if x.shape[0] == 1 and x.dtype in _REDUCED and x.device.type == "cpu":
@@ -198,10 +205,12 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, *, per_s
     The packed copy adds the weight's size in memory (the plain weight stays for other users).
     """
     weight = weight.detach()
+    bias = bias.detach().contiguous() if bias is not None else None
+    rows = native.linear_rows_available(weight)
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
-        return Linear(weight, bias, per_step=per_step)
+        return Linear(weight, bias, per_step=per_step, rows_kernel=rows)
     if weight.dtype not in _works:
         _works[weight.dtype] = _packing_works(weight.dtype)
     if not _works[weight.dtype]:
-        return Linear(weight, bias, per_step=per_step)
-    return Linear(weight, bias, torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()), per_step=per_step)
+        return Linear(weight, bias, per_step=per_step, rows_kernel=rows)
+    return Linear(weight, bias, torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()), per_step=per_step, rows_kernel=rows)

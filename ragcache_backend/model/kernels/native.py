@@ -1,17 +1,21 @@
-"""Native CPU kernels for bf16 on AVX512-BF16 (attention over paged KV, fused layer steps), via ctypes.
+"""Native CPU kernels (attention over paged KV, fused layer steps), via ctypes, for two dtypes:
 
-The C sources (``csrc/paged_attention_bf16.c``, ``csrc/fused_bf16.c``) are compiled on first use with the system C
-compiler into ``$RAGCACHE_HOME/kernels/`` (named by a hash of the source and flags, written
-atomically), then loaded into the process after torch, so that its OpenMP regions run on torch's
-own libgomp thread pool. Where it cannot be used (no compiler, no AVX512-BF16, not bf16, not CPU,
-``RAGCACHE_NATIVE_KERNELS=0``) :func:`available` is False and callers take the torch reference
-path (:mod:`ragcache_backend.model.kernels.attention`), which stays for tests and other devices.
+* **bf16** on CPUs with AVX512-BF16 (``csrc/paged_attention_bf16.c``, ``csrc/fused_bf16.c``);
+* **float32** on every x86-64 CPU with AVX2 and FMA, AVX-512 ones included (``csrc/kernels_f32.c``).
 
-Why: on CPUs without AMX, PyTorch's flash kernel reaches ~100 GFLOP/s in bf16 (its bf16 GEMMs run
-through MKL), while VDPBF16PS reaches several times that; and the flash kernel picks its query
-blocking by query length, so a cached prompt and an uncached one round differently. This kernel
-fixes its key blocks at absolute positions and computes each row alone (see the C file), so
-prompt logits and KV are bit-identical with and without the cache.
+The C sources are compiled on first use with the system C compiler into ``$RAGCACHE_HOME/kernels/``
+(named by a hash of the sources and flags, written atomically), then loaded into the process after
+torch, so that their OpenMP regions run on torch's own libgomp thread pool. Where a kernel cannot
+be used (no compiler, the CPU lacks the instructions, another dtype, not CPU,
+``RAGCACHE_NATIVE_KERNELS=0``) :func:`available` is False, :func:`unavailable_reason` says why, and
+callers take the torch reference path (:mod:`ragcache_backend.model.kernels.attention`), which
+stays for tests and other devices.
+
+Why: PyTorch's CPU attention gathers every sequence's context per layer and runs one small kernel
+per sequence, and a decode step of a small model is mostly the dispatch of small row-wise ops.
+These kernels read the arena in place for a whole step, one call per layer. In bf16 they also keep
+cached and uncached prompts bit-identical: keys are blocked at absolute positions and each row is
+computed alone (see the C files); the float32 prompt kernel keeps the same row independence.
 """
 
 from __future__ import annotations
@@ -33,11 +37,13 @@ from ragcache_backend.config import ragcache_home
 
 log = logging.getLogger(__name__)
 
-_SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("paged_attention_bf16.c", "fused_bf16.c"))
+_SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("paged_attention_bf16.c", "fused_bf16.c", "kernels_f32.c"))
 _FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-std=gnu11")
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
+_why_not = ""  # why the library is missing (empty when it loaded)
+_KERNEL_DTYPES: dict[torch.dtype, str] = {}  # dtypes this CPU runs natively -> the instruction set used
 
 
 class NativeKernelError(RuntimeError):
@@ -52,61 +58,108 @@ def _compiler() -> str | None:
 
 
 def _build() -> ctypes.CDLL | None:
+    global _why_not
     cc = _compiler()
     if cc is None:
-        log.info("native attention kernel: no C compiler found; using the torch path")
+        _why_not = "no C compiler found (set CC, or install gcc)"
+        log.warning("native kernels: %s; using the torch path", _why_not)
         return None
     src = b"".join(path.read_bytes() for path in _SOURCES)
     tag = hashlib.sha256(src + " ".join((cc, *_FLAGS)).encode()).hexdigest()[:16]
     out_dir = ragcache_home() / "kernels"
-    lib_path = out_dir / f"paged_attention_bf16-{tag}.so"
+    lib_path = out_dir / f"ragcache_kernels-{tag}.so"
     if not lib_path.exists():
         out_dir.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
         os.close(fd)
         try:
-            subprocess.run([cc, *_FLAGS, "-o", tmp, *map(str, _SOURCES)], check=True, capture_output=True, text=True, timeout=120)
+            subprocess.run([cc, *_FLAGS, "-o", tmp, *map(str, _SOURCES)], check=True, capture_output=True, text=True, timeout=180)
             os.replace(tmp, lib_path)
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", "") or str(exc)
-            log.warning("native attention kernel: build failed, using the torch path: %s", detail.strip()[:500])
+            _why_not = f"the build with {cc} failed: {detail.strip()[:300]}"
+            log.warning("native kernels: %s; using the torch path", _why_not)
             Path(tmp).unlink(missing_ok=True)
             return None
     lib = ctypes.CDLL(str(lib_path))
-    lib.rc_supported.restype = ctypes.c_int
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.rc_paged_attention.restype = ctypes.c_int
-    lib.rc_paged_attention.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float, ptr,
-                                       ctypes.c_int]
-    lib.rc_rope_write.restype = None
-    lib.rc_rope_write.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
-    lib.rc_add_rms_norm.restype = None
-    lib.rc_add_rms_norm.argtypes = [ptr, ptr, ptr, ctypes.c_float, i64, i64, ptr, ctypes.c_int]
-    lib.rc_silu_mul.restype = None
-    lib.rc_silu_mul.argtypes = [ptr, i64, i64, ptr, ctypes.c_int]
-    if not lib.rc_supported():
-        log.info("native attention kernel: this CPU lacks AVX512-BF16; using the torch path")
+    i64, ptr, f32, nt = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+    for prefix in ("rc", "rc32"):
+        getattr(lib, f"{prefix}_supported").restype = ctypes.c_int
+        attn = getattr(lib, f"{prefix}_paged_attention")
+        attn.restype = ctypes.c_int
+        attn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32, ptr, nt]
+        rope = getattr(lib, f"{prefix}_rope_write")
+        rope.restype = None
+        rope.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, nt]
+        norm = getattr(lib, f"{prefix}_add_rms_norm")
+        norm.restype = None
+        norm.argtypes = [ptr, ptr, ptr, f32, i64, i64, ptr, nt]
+        silu = getattr(lib, f"{prefix}_silu_mul")
+        silu.restype = None
+        silu.argtypes = [ptr, i64, i64, ptr, nt]
+    lib.rc32_linear_rows.restype = None
+    lib.rc32_linear_rows.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, nt]
+    if lib.rc_supported():
+        _KERNEL_DTYPES[torch.bfloat16] = "AVX512-BF16"
+    if lib.rc32_supported():
+        _KERNEL_DTYPES[torch.float32] = "AVX2+FMA"
+    if not _KERNEL_DTYPES:
+        _why_not = "this CPU has neither AVX2+FMA (float32 kernels) nor AVX512-BF16 (bf16 kernels)"
+        log.warning("native kernels: %s; using the torch path", _why_not)
         return None
     return lib
 
 
 def _library() -> ctypes.CDLL | None:
-    global _lib, _tried
+    global _lib, _tried, _why_not
     if not _tried:
         with _lock:
             if not _tried:
                 if os.environ.get("RAGCACHE_NATIVE_KERNELS", "1") != "0":
                     _lib = _build()
+                else:
+                    _why_not = "RAGCACHE_NATIVE_KERNELS=0"
                 _tried = True
     return _lib
 
 
+_PREFIX = {torch.bfloat16: "rc", torch.float32: "rc32"}
+_HEAD_MULTIPLE = {torch.bfloat16: 64, torch.float32: 16}  # head sizes each kernel tiles
+_ROW_MULTIPLE = {torch.bfloat16: 16, torch.float32: 8}  # hidden / intermediate sizes of the fused steps
+
+
+def unavailable_reason(dtype: torch.dtype, device: torch.device | str, head_dim: int, group: int = 1) -> str | None:
+    """Why :func:`paged_attention` cannot run for this dtype, device, head size and GQA group
+    (query heads per KV head), or None when it can.
+
+    It can for bf16 on a CPU with AVX512-BF16 (head size a multiple of 64, group <= 8) and for
+    float32 on a CPU with AVX2 and FMA (head size a multiple of 16, group <= 16); head size <= 256.
+    """
+    if torch.device(device).type != "cpu":
+        return f"the native kernels are for the CPU, the model is on {torch.device(device).type}"
+    if dtype not in _PREFIX:
+        return f"no native kernel for {dtype} (float32 and bfloat16 only)"
+    if _library() is None:
+        return _why_not
+    if dtype not in _KERNEL_DTYPES:
+        need = "AVX512-BF16" if dtype == torch.bfloat16 else "AVX2 and FMA"
+        return f"this CPU lacks {need} for {dtype} kernels"
+    most_group = 8 if dtype == torch.bfloat16 else 16
+    if head_dim % _HEAD_MULTIPLE[dtype] or head_dim > 256 or not 1 <= group <= most_group:
+        return (f"head size {head_dim} / group {group} do not fit the {dtype} kernel (head size a multiple of "
+                f"{_HEAD_MULTIPLE[dtype]} up to 256, group 1..{most_group})")
+    return None
+
+
+def instruction_set(dtype: torch.dtype) -> str | None:
+    """The instruction set the native kernels use for ``dtype`` on this CPU (e.g. ``"AVX2+FMA"``), or None."""
+    return _KERNEL_DTYPES.get(dtype) if _library() is not None else None
+
+
 def available(dtype: torch.dtype, device: torch.device | str, head_dim: int, group: int = 1) -> bool:
     """Whether :func:`paged_attention` can run for this dtype, device, head size and GQA group
-    (query heads per KV head): bf16 on a CPU with AVX512-BF16, head size a multiple of 64 up to
-    256, group at most 8, kernel built."""
-    return (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and head_dim % 64 == 0
-            and head_dim <= 256 and 1 <= group <= 8 and _library() is not None)
+    (:func:`unavailable_reason` is None)."""
+    return unavailable_reason(dtype, device, head_dim, group) is None
 
 
 @dataclass(slots=True, frozen=True)
@@ -149,47 +202,56 @@ def attention_batch(contexts: list[torch.Tensor], num_new: list[int], decode: li
     return AttentionBatch(torch.cat(contexts).cpu().contiguous(), ctx_off, q_off, torch.tensor(decode, dtype=torch.uint8))
 
 
+def _kernel(dtype: torch.dtype, name: str):
+    """The C function ``name`` for ``dtype``'s kernels, or None when they are not available here."""
+    lib = _library()
+    if lib is None or dtype not in _KERNEL_DTYPES:
+        return None
+    return getattr(lib, f"{_PREFIX[dtype]}_{name}")
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch, scale: float,
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of every sequence's new rows over its context, read straight from the arena.
 
-    Prompt rows take a tiled kernel over keys packed per call (fixed 64-key blocks from position
-    0); generated tokens take an unpacked decode kernel. Either way each row is computed alone, so
-    a prompt row is bit-identical whatever else runs in the call and however much of its prefix
-    came from the cache.
+    Prompt rows take a tiled kernel (keys packed per call, fixed 64-key blocks from position 0);
+    generated tokens take a decode kernel that reads the arena unpacked. Either way each prompt row
+    is computed alone, so it is the same whatever else runs in the call and however much of its
+    prefix came from the cache (bit-identical in bf16 and in float32).
 
     Args:
-        q: ``[N, Hq, D]`` bf16 queries (RoPE applied), ``N = batch.num_rows``; rows may be strided
-            (a view of the fused QKV output) but each head's ``D`` values contiguous.
-        k_cache, v_cache: one layer of the arena, ``[slots, Hkv, D]`` bf16, contiguous; the new
+        q: ``[N, Hq, D]`` queries (RoPE applied), bf16 or float32 as the arena, ``N =
+            batch.num_rows``; rows may be strided (a view of the fused QKV output) but each head's
+            ``D`` values contiguous.
+        k_cache, v_cache: one layer of the arena, ``[slots, Hkv, D]``, q's dtype, contiguous; the new
             tokens' K/V already written. Slots in ``batch`` must lie inside it.
         batch: the step's sequences (:func:`attention_batch`).
         scale: softmax scale.
-        out: optional contiguous ``[N, Hq, D]`` bf16 tensor to write into.
+        out: optional contiguous ``[N, Hq, D]`` tensor of q's dtype to write into.
 
     Returns:
-        ``out`` or a new ``[N, Hq, D]`` bf16 tensor.
+        ``out`` or a new ``[N, Hq, D]`` tensor of q's dtype.
 
     Raises:
-        NativeKernelError: the kernel is not available, or shapes/dtypes do not fit it.
+        NativeKernelError: the kernel is not available for q's dtype, or shapes/dtypes do not fit it.
     """
-    lib = _library()
     n, hq, d = q.shape
-    if lib is None:
-        raise NativeKernelError("native attention kernel is not available")
-    if (q.dtype != torch.bfloat16 or k_cache.dtype != torch.bfloat16 or v_cache.dtype != torch.bfloat16
+    fn = _kernel(q.dtype, "paged_attention")
+    if fn is None:
+        raise NativeKernelError(f"no native attention kernel for {q.dtype} here: {unavailable_reason(q.dtype, 'cpu', d)}")
+    if (k_cache.dtype != q.dtype or v_cache.dtype != q.dtype
             or q.stride(2) != 1 or q.stride(1) != d or not k_cache.is_contiguous() or not v_cache.is_contiguous()
             or k_cache.shape != v_cache.shape or k_cache.shape[2] != d or n != batch.num_rows
-            or hq % k_cache.shape[1] != 0 or hq // k_cache.shape[1] > 8):
+            or hq % k_cache.shape[1] != 0 or d % _HEAD_MULTIPLE[q.dtype]):
         raise NativeKernelError(f"paged_attention: bad arguments q={tuple(q.shape)}/{q.dtype}/{q.stride()}, "
                                 f"kv={tuple(k_cache.shape)}/{k_cache.dtype}, rows={batch.num_rows}")
     if out is None:
-        out = torch.empty((n, hq, d), dtype=torch.bfloat16)
-    elif out.shape != q.shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        out = torch.empty((n, hq, d), dtype=q.dtype)
+    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
         raise NativeKernelError(f"paged_attention: bad out {tuple(out.shape)}/{out.dtype}")
-    rc = lib.rc_paged_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), batch.slots.data_ptr(),
-                                batch.ctx_off.data_ptr(), batch.q_off.data_ptr(), batch.decode.data_ptr(),
-                                len(batch.decode), hq, k_cache.shape[1], d, scale, out.data_ptr(), torch.get_num_threads())
+    rc = fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), batch.slots.data_ptr(),
+            batch.ctx_off.data_ptr(), batch.q_off.data_ptr(), batch.decode.data_ptr(), len(batch.decode), hq,
+            k_cache.shape[1], d, scale, out.data_ptr(), torch.get_num_threads())
     if rc != 0:
         raise NativeKernelError(f"paged_attention failed with code {rc} (1: arguments, 2: memory)")
     return out
@@ -212,9 +274,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 def fused_available(dtype: torch.dtype, device: torch.device | str, *, hidden: int, intermediate: int, head_dim: int,
                     group: int = 1) -> bool:
     """Whether :func:`rope_write`, :func:`add_rms_norm` and :func:`silu_mul` can run for this
-    model (bf16 on an AVX512-BF16 CPU, hidden and intermediate sizes multiples of 16, head size a
-    multiple of 64, attention kernel available too)."""
-    return available(dtype, device, head_dim, group) and hidden % 16 == 0 and intermediate % 16 == 0
+    model: the attention kernel is available for ``dtype`` (:func:`available`) and the hidden and
+    intermediate sizes are multiples of 16 (bf16) or 8 (float32)."""
+    return (available(dtype, device, head_dim, group) and hidden % _ROW_MULTIPLE[dtype] == 0
+            and intermediate % _ROW_MULTIPLE[dtype] == 0)
 
 
 def _check(ok: bool, what: str) -> None:
@@ -227,60 +290,104 @@ def rope_write(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.
     """RoPE on the query and key heads of ``qkv`` in place, then the keys and values written to the arena.
 
     Args:
-        qkv: ``[N, Hq + 2 Hkv, D]`` bf16, contiguous (the fused QKV GEMM's output).
+        qkv: ``[N, Hq + 2 Hkv, D]`` bf16 or float32, contiguous (the fused QKV GEMM's output).
         cos, sin: ``[N, D]`` float32 tables (:func:`~ragcache_backend.model.kernels.rope.rope_cos_sin`).
-        k_cache, v_cache: one layer of the arena, ``[slots, Hkv, D]`` bf16, contiguous.
+        k_cache, v_cache: one layer of the arena, ``[slots, Hkv, D]`` of qkv's dtype, contiguous.
         slots: ``[N]`` int64 arena slot of each row.
 
     Raises:
-        NativeKernelError: the kernel is unavailable or the arguments do not fit it.
+        NativeKernelError: the kernel is unavailable for qkv's dtype or the arguments do not fit it.
     """
-    lib = _library()
+    fn = _kernel(qkv.dtype, "rope_write")
     n, heads, d = qkv.shape
-    _check(lib is not None and qkv.dtype == torch.bfloat16 and qkv.is_contiguous() and heads == num_heads + 2 * num_kv_heads
+    _check(fn is not None and qkv.is_contiguous() and heads == num_heads + 2 * num_kv_heads and d % _HEAD_MULTIPLE[qkv.dtype] == 0
            and cos.shape == (n, d) and sin.shape == (n, d) and cos.dtype == torch.float32 and sin.dtype == torch.float32
            and cos.is_contiguous() and sin.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
+           and k_cache.dtype == qkv.dtype and v_cache.dtype == qkv.dtype
            and k_cache.shape[1:] == (num_kv_heads, d) and v_cache.shape == k_cache.shape and slots.dtype == torch.int64
-           and slots.numel() == n and slots.is_contiguous(), f"rope_write: bad arguments qkv={tuple(qkv.shape)} cos={tuple(cos.shape)}")
-    lib.rc_rope_write(qkv.data_ptr(), n, num_heads, num_kv_heads, d, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
-                      v_cache.data_ptr(), slots.data_ptr(), torch.get_num_threads())
+           and slots.numel() == n and slots.is_contiguous(),
+           f"rope_write: bad arguments qkv={tuple(qkv.shape)}/{qkv.dtype} cos={tuple(cos.shape)}")
+    fn(qkv.data_ptr(), n, num_heads, num_kv_heads, d, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
+       v_cache.data_ptr(), slots.data_ptr(), torch.get_num_threads())
 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``h += delta`` in place (when given), then RMSNorm of ``h`` (HF LlamaRMSNorm's roundings).
+    """``h += delta`` in place (when given), then RMSNorm of ``h`` (HF LlamaRMSNorm; in bf16 with its roundings).
 
     Args:
-        h: ``[N, H]`` bf16 residual stream, contiguous; delta: ``[N, H]`` bf16 or None;
-        weight: ``[H]`` bf16; eps: variance epsilon.
+        h: ``[N, H]`` bf16 or float32 residual stream, contiguous; delta: ``[N, H]`` of h's dtype or None;
+        weight: ``[H]`` of h's dtype; eps: variance epsilon.
 
     Returns:
-        ``[N, H]`` bf16 normalised rows.
+        ``[N, H]`` normalised rows of h's dtype.
 
     Raises:
-        NativeKernelError: the kernel is unavailable or the arguments do not fit it.
+        NativeKernelError: the kernel is unavailable for h's dtype or the arguments do not fit it.
     """
-    lib = _library()
+    fn = _kernel(h.dtype, "add_rms_norm")
     n, hidden = h.shape
-    _check(lib is not None and h.dtype == torch.bfloat16 and h.is_contiguous() and weight.shape == (hidden,)
-           and weight.dtype == torch.bfloat16 and weight.is_contiguous()
-           and (delta is None or (delta.shape == h.shape and delta.dtype == torch.bfloat16 and delta.is_contiguous())),
-           f"add_rms_norm: bad arguments h={tuple(h.shape)}")
+    _check(fn is not None and h.is_contiguous() and hidden % _ROW_MULTIPLE[h.dtype] == 0 and weight.shape == (hidden,)
+           and weight.dtype == h.dtype and weight.is_contiguous()
+           and (delta is None or (delta.shape == h.shape and delta.dtype == h.dtype and delta.is_contiguous())),
+           f"add_rms_norm: bad arguments h={tuple(h.shape)}/{h.dtype}")
     out = torch.empty_like(h)
-    lib.rc_add_rms_norm(h.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), eps, n, hidden,
-                        out.data_ptr(), torch.get_num_threads())
+    fn(h.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), eps, n, hidden, out.data_ptr(),
+       torch.get_num_threads())
     return out
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for ``gate_up`` ``[N, 2I]`` bf16 (``[gate | up]`` per row) -> ``[N, I]`` bf16.
+    """``silu(gate) * up`` for ``gate_up`` ``[N, 2I]`` bf16 or float32 (``[gate | up]`` per row) -> ``[N, I]``.
+
+    Raises:
+        NativeKernelError: the kernel is unavailable for the dtype or the arguments do not fit it
+            (``2I`` a multiple of 32 in bf16, 16 in float32).
+    """
+    fn = _kernel(gate_up.dtype, "silu_mul")
+    n, two_i = gate_up.shape
+    _check(fn is not None and gate_up.is_contiguous() and two_i % (2 * _ROW_MULTIPLE[gate_up.dtype]) == 0,
+           f"silu_mul: bad arguments {tuple(gate_up.shape)}/{gate_up.dtype}")
+    out = torch.empty((n, two_i // 2), dtype=gate_up.dtype)
+    fn(gate_up.data_ptr(), n, two_i // 2, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+LINEAR_ROWS_MAX = 16
+"""Most rows :func:`linear_rows` is used for: beyond, the GEMM is compute-bound and oneDNN's blocked
+kernel is faster (measured on a 2-core AMD EPYC, AVX2, SmolLM2-135M's shapes)."""
+
+
+def linear_rows_available(weight: torch.Tensor) -> bool:
+    """Whether :func:`linear_rows` can run over ``weight`` (float32 ``[N, K]`` on the CPU,
+    contiguous, ``K`` a multiple of 8, float32 kernels available)."""
+    return (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2 and weight.is_contiguous()
+            and weight.shape[1] % 8 == 0 and _kernel(torch.float32, "paged_attention") is not None)
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x W^T + b`` for a few float32 rows, streaming the weight from memory once for all of them.
+
+    A decode step of a small model is bound by reading its weights: oneDNN's GEMM reaches ~16 GB/s
+    on small layers at one row here, this ~25 GB/s (``benchmarks/forward_vs_vllm.py`` prints the
+    memory bandwidth and the floor it implies). Each row's result is independent of the others.
+
+    Args:
+        x: ``[M, K]`` float32 (``M`` up to :data:`LINEAR_ROWS_MAX` is where it pays).
+        weight: ``[N, K]`` float32, contiguous; bias: ``[N]`` float32 or None.
+
+    Returns:
+        ``[M, N]`` float32.
 
     Raises:
         NativeKernelError: the kernel is unavailable or the arguments do not fit it.
     """
-    lib = _library()
-    n, two_i = gate_up.shape
-    _check(lib is not None and gate_up.dtype == torch.bfloat16 and gate_up.is_contiguous() and two_i % 32 == 0,
-           f"silu_mul: bad arguments {tuple(gate_up.shape)}")
-    out = torch.empty((n, two_i // 2), dtype=torch.bfloat16)
-    lib.rc_silu_mul(gate_up.data_ptr(), n, two_i // 2, out.data_ptr(), torch.get_num_threads())
+    fn = _kernel(torch.float32, "paged_attention")
+    m, k = x.shape
+    _check(fn is not None and linear_rows_available(weight) and weight.shape[1] == k and x.dtype == torch.float32
+           and (bias is None or (bias.shape == (weight.shape[0],) and bias.dtype == torch.float32 and bias.is_contiguous())),
+           f"linear_rows: bad arguments x={tuple(x.shape)}/{x.dtype} weight={tuple(weight.shape)}/{weight.dtype}")
+    x = x.contiguous()
+    out = torch.empty((m, weight.shape[0]), dtype=torch.float32)
+    _library().rc32_linear_rows(x.data_ptr(), m, k, weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                                weight.shape[0], out.data_ptr(), torch.get_num_threads())
     return out

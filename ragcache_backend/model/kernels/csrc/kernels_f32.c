@@ -1,0 +1,547 @@
+/* Native float32 kernels for x86 CPUs with AVX2 and FMA (ragcache): attention over the paged KV
+ * arena for a whole forward step (rc32_paged_attention), and the fused row-wise steps of a Llama
+ * decoder layer (RoPE + KV write, residual add + RMSNorm, SiLU(gate) * up).
+ *
+ * They run on every x86-64 CPU since Haswell / Zen 1 (AVX-512 CPUs included), where the bf16
+ * kernels (paged_attention_bf16.c, AVX512-BF16 only) cannot.
+ *
+ * Prompt tokens (attend_item) compute, for T new queries at absolute positions P .. P+T-1 (GQA:
+ * query head hq reads KV head hq / g), causal attention over context slots[0 .. P+T-1] read from
+ * the arena: out[t, hq] = softmax(scale * q[t, hq] . K[0..P+t]^T) V[0..P+t]. Keys are packed per
+ * call into [key/8][D][8] panels (QK^T as broadcast-FMA, 4 query vectors x 16 keys per register
+ * tile); values are read in place. Online softmax in float32 over key blocks of 64 fixed at
+ * absolute key positions.
+ *
+ * Row independence: every query row is computed with the same operations in the same order
+ * whatever the other rows of the call are: (1) key blocks sit at absolute positions, (2) a block
+ * past a row's causal limit leaves the row unchanged (rescale exactly 1, probabilities exactly 0),
+ * (3) rows are tiled side by side, never reduced together. So a prompt row's output is the same
+ * whether its prefix came from the cache (small T, large P) or was computed in the same call.
+ *
+ * Generated tokens (decode_part, decode_merge) read the arena without packing, split their
+ * context into key chunks (flash-decoding) so two threads share even a single sequence, and merge
+ * the chunks' partial softmax sums.
+ *
+ * Threads: OpenMP, linked against the libgomp torch has already loaded (its thread pool).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TGT __attribute__((target("avx2,fma")))
+#define KB 64      /* keys per softmax block */
+#define QT 4       /* query vectors per register tile */
+#define QPOS 16    /* query positions per prompt work item */
+#define DMAX 256   /* largest head size */
+#define DCHUNK 512 /* keys per decode chunk (fixed: a row's result never depends on the batch) */
+
+int rc32_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+TGT static inline float hsum256(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+
+TGT static inline float hmax256(__m256 v) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_max_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+
+/* Eight vectors' horizontal sums as one vector: out[k] = sum(a[k]). */
+TGT static inline __m256 hsum8(const __m256 *a) {
+    __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    t0 = _mm256_hadd_ps(t0, t1);
+    t2 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t2, 0x20), _mm256_permute2f128_ps(t0, t2, 0x31));
+}
+
+/* expf, to ~2 ulp (Cephes polynomial after range reduction by ln 2); inputs clamped to [-87, 88]. */
+TGT static inline __m256 exp256(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 y = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* Lanes j0 .. j0+7 that are below `valid`, as an all-ones mask. */
+TGT static inline __m256 lanes_below(int64_t j0, int64_t valid) {
+    __m256i idx = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)j0));
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)valid), idx));
+}
+
+/* ---- prompt rows --------------------------------------------------------------------------- */
+
+/* Pack keys [start, end) of KV head h into kp ([S_pad/8][D][8] floats); keys >= S are zero. */
+static void pack_keys(const float *kc, int64_t slot_row, const int64_t *slots, int64_t S, int64_t h, int64_t D,
+                      int64_t start, int64_t end, float *kp) {
+    for (int64_t j = start; j < end; j++) {
+        float *dst = kp + (j / 8) * D * 8 + (j % 8);
+        if (j < S) {
+            const float *row = kc + slots[j] * slot_row + h * D;
+            for (int64_t d = 0; d < D; d++) dst[d * 8] = row[d];
+        } else {
+            for (int64_t d = 0; d < D; d++) dst[d * 8] = 0.0f;
+        }
+    }
+}
+
+/* One work item: query positions [t0, t1) of KV head h (positions P + t), all g query heads.
+ * kp: this head's packed keys; vc/slots: values read in place. */
+TGT static void attend_item(const float *q, int64_t q_row, int64_t D, int64_t g, int64_t h, int64_t t0, int64_t t1,
+                            int64_t P, const float *kp, const float *vc, int64_t slot_row, const int64_t *slots,
+                            float scale, float *out, int64_t out_row) {
+    const int64_t nvec = (t1 - t0) * g;
+    float acc[QT][DMAX] __attribute__((aligned(32)));
+    float s[QT][KB] __attribute__((aligned(32)));
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int64_t v0 = 0; v0 < nvec; v0 += QT) {
+        int64_t lim[QT], tpos[QT], head[QT], maxlim = 0;
+        float m[QT], l[QT], alpha[QT];
+        const float *qv[QT];
+        for (int i = 0; i < QT; i++) {
+            int64_t v = v0 + i < nvec ? v0 + i : nvec - 1; /* pad a short tile with its last row */
+            tpos[i] = t0 + v / g;
+            head[i] = h * g + v % g;
+            lim[i] = P + tpos[i];
+            if (lim[i] > maxlim) maxlim = lim[i];
+            qv[i] = q + tpos[i] * q_row + head[i] * D;
+            m[i] = -INFINITY;
+            l[i] = 0.0f;
+            memset(acc[i], 0, sizeof(float) * (size_t)D);
+        }
+        const int64_t nblocks = maxlim / KB + 1;
+        for (int64_t kb = 0; kb < nblocks; kb++) {
+            /* scores of the tile's rows against keys kb*64 .. (up to maxlim), 16 keys at a time */
+            const int64_t kend = maxlim - kb * KB + 1 < KB ? maxlim - kb * KB + 1 : KB;
+            for (int64_t k16 = 0; k16 * 16 < kend; k16++) {
+                __m256 c[QT][2];
+                for (int i = 0; i < QT; i++) c[i][0] = c[i][1] = _mm256_setzero_ps();
+                const float *k0 = kp + (kb * (KB / 8) + 2 * k16) * D * 8, *k1 = k0 + D * 8;
+                for (int64_t d = 0; d < D; d++) {
+                    __m256 a = _mm256_load_ps(k0 + d * 8), b = _mm256_load_ps(k1 + d * 8);
+                    for (int i = 0; i < QT; i++) {
+                        __m256 bq = _mm256_broadcast_ss(qv[i] + d);
+                        c[i][0] = _mm256_fmadd_ps(a, bq, c[i][0]);
+                        c[i][1] = _mm256_fmadd_ps(b, bq, c[i][1]);
+                    }
+                }
+                for (int i = 0; i < QT; i++) {
+                    _mm256_store_ps(s[i] + 16 * k16, _mm256_mul_ps(c[i][0], vscale));
+                    _mm256_store_ps(s[i] + 16 * k16 + 8, _mm256_mul_ps(c[i][1], vscale));
+                }
+            }
+            /* online softmax per row; probabilities replace the scores in s */
+            int64_t maxvalid = 0;
+            for (int i = 0; i < QT; i++) {
+                int64_t valid = lim[i] - kb * KB + 1;
+                if (valid > KB) valid = KB;
+                if (valid <= 0) { /* past this row's causal limit: leave it untouched */
+                    alpha[i] = 1.0f;
+                    memset(s[i], 0, sizeof(s[i]));
+                    continue;
+                }
+                if (valid > maxvalid) maxvalid = valid;
+                __m256 bm = _mm256_set1_ps(-INFINITY);
+                for (int64_t j = 0; j < valid; j += 8)
+                    bm = _mm256_max_ps(bm, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_load_ps(s[i] + j), lanes_below(j, valid)));
+                const float bmax = hmax256(bm);
+                const float mnew = bmax > m[i] ? bmax : m[i];
+                alpha[i] = mnew == m[i] ? 1.0f : expf(m[i] - mnew);
+                const __m256 mv = _mm256_set1_ps(mnew);
+                __m256 sum = _mm256_setzero_ps();
+                for (int64_t j = 0; j < KB; j += 8) {
+                    __m256 p = j < valid ? _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_load_ps(s[i] + j), mv)), lanes_below(j, valid))
+                                         : _mm256_setzero_ps();
+                    _mm256_store_ps(s[i] + j, p);
+                    sum = _mm256_add_ps(sum, p);
+                }
+                l[i] = l[i] * alpha[i] + hsum256(sum);
+                m[i] = mnew;
+            }
+            if (maxvalid == 0) continue;
+            /* PV: acc[i] = acc[i] * alpha[i] + p[i] . V[block], 16 dims at a time */
+            const int64_t *bslots = slots + kb * KB;
+            for (int64_t dg = 0; dg < D; dg += 16) {
+                __m256 o[QT][2];
+                for (int i = 0; i < QT; i++) {
+                    __m256 a = _mm256_set1_ps(alpha[i]);
+                    o[i][0] = _mm256_mul_ps(_mm256_load_ps(acc[i] + dg), a);
+                    o[i][1] = _mm256_mul_ps(_mm256_load_ps(acc[i] + dg + 8), a);
+                }
+                for (int64_t j = 0; j < maxvalid; j++) {
+                    const float *vr = vc + bslots[j] * slot_row + h * D + dg;
+                    __m256 va = _mm256_loadu_ps(vr), vb = _mm256_loadu_ps(vr + 8);
+                    for (int i = 0; i < QT; i++) {
+                        __m256 bp = _mm256_broadcast_ss(s[i] + j);
+                        o[i][0] = _mm256_fmadd_ps(bp, va, o[i][0]);
+                        o[i][1] = _mm256_fmadd_ps(bp, vb, o[i][1]);
+                    }
+                }
+                for (int i = 0; i < QT; i++) {
+                    _mm256_store_ps(acc[i] + dg, o[i][0]);
+                    _mm256_store_ps(acc[i] + dg + 8, o[i][1]);
+                }
+            }
+        }
+        for (int i = 0; i < QT && v0 + i < nvec; i++) {
+            const __m256 inv = _mm256_set1_ps(1.0f / l[i]);
+            float *dst = out + tpos[i] * out_row + head[i] * D;
+            for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_load_ps(acc[i] + d), inv));
+        }
+    }
+}
+
+/* ---- generated tokens ---------------------------------------------------------------------- */
+
+/* Keys [j0, j1) of KV head h for the g query heads of one generated token: per head, the chunk's
+ * max score ml[2i], its sum of exp(score - max) ml[2i+1], and o[i][D] = sum_j exp(s_j - max) v_j.
+ * scores: scratch of g * (j1 - j0) floats. */
+TGT static void decode_part(const float *q, int64_t D, int64_t g, int64_t h, int64_t j0, int64_t j1, const float *kc,
+                            const float *vc, int64_t slot_row, const int64_t *slots, float scale, float *scores,
+                            float *ml, float *o) {
+    const int64_t n = j1 - j0;
+    for (int64_t i = 0; i < g; i++) {
+        const float *qi = q + (h * g + i) * D;
+        float *si = scores + i * n;
+        __m256 mx = _mm256_set1_ps(-INFINITY);
+        int64_t j = 0;
+        for (; j + 8 <= n; j += 8) {
+            __m256 a[8];
+            const float *kr[8];
+            for (int jj = 0; jj < 8; jj++) {
+                a[jj] = _mm256_setzero_ps();
+                kr[jj] = kc + slots[j0 + j + jj] * slot_row + h * D;
+            }
+            for (int64_t c = 0; c < D; c += 8) {
+                __m256 qc = _mm256_loadu_ps(qi + c);
+                for (int jj = 0; jj < 8; jj++) a[jj] = _mm256_fmadd_ps(_mm256_loadu_ps(kr[jj] + c), qc, a[jj]);
+            }
+            __m256 sv = _mm256_mul_ps(hsum8(a), _mm256_set1_ps(scale));
+            _mm256_storeu_ps(si + j, sv);
+            mx = _mm256_max_ps(mx, sv);
+        }
+        float m = hmax256(mx);
+        for (; j < n; j++) {
+            const float *kr = kc + slots[j0 + j] * slot_row + h * D;
+            __m256 a = _mm256_setzero_ps();
+            for (int64_t c = 0; c < D; c += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(kr + c), _mm256_loadu_ps(qi + c), a);
+            si[j] = hsum256(a) * scale;
+            if (si[j] > m) m = si[j];
+        }
+        const __m256 mv = _mm256_set1_ps(m);
+        __m256 sum = _mm256_setzero_ps();
+        for (j = 0; j + 8 <= n; j += 8) {
+            __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(si + j), mv));
+            _mm256_storeu_ps(si + j, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        float tail = 0.0f;
+        for (; j < n; j++) {
+            si[j] = expf(si[j] - m);
+            tail += si[j];
+        }
+        ml[2 * i] = m;
+        ml[2 * i + 1] = hsum256(sum) + tail;
+    }
+    /* o[i] = sum_j p[i][j] v_j: 16 dims x up to 4 heads per register tile */
+    for (int64_t i0 = 0; i0 < g; i0 += 4) {
+        const int64_t gi = g - i0 < 4 ? g - i0 : 4;
+        for (int64_t dg = 0; dg < D; dg += 16) {
+            __m256 acc[4][2];
+            for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+            for (int64_t j = 0; j < n; j++) {
+                const float *vr = vc + slots[j0 + j] * slot_row + h * D + dg;
+                __m256 va = _mm256_loadu_ps(vr), vb = _mm256_loadu_ps(vr + 8);
+                for (int i = 0; i < gi; i++) {
+                    __m256 p = _mm256_broadcast_ss(scores + (i0 + i) * n + j);
+                    acc[i][0] = _mm256_fmadd_ps(p, va, acc[i][0]);
+                    acc[i][1] = _mm256_fmadd_ps(p, vb, acc[i][1]);
+                }
+            }
+            for (int i = 0; i < gi; i++) {
+                _mm256_storeu_ps(o + (i0 + i) * D + dg, acc[i][0]);
+                _mm256_storeu_ps(o + (i0 + i) * D + dg + 8, acc[i][1]);
+            }
+        }
+    }
+}
+
+/* Merge the nc chunk results of one (sequence, KV head) into out[g][D]; chunk c's block starts at
+ * part + at[c]: its max and sum per head ([g][2]), then its unnormalised outputs ([g][D]). */
+TGT static void decode_merge(int64_t nc, int64_t g, int64_t D, const float *part, const int64_t *at, float *out) {
+    for (int64_t i = 0; i < g; i++) {
+        float m = -INFINITY, l = 0.0f;
+        for (int64_t c = 0; c < nc; c++)
+            if (part[at[c] + 2 * i] > m) m = part[at[c] + 2 * i];
+        for (int64_t c = 0; c < nc; c++) l += part[at[c] + 2 * i + 1] * expf(part[at[c] + 2 * i] - m);
+        const float inv = 1.0f / l;
+        for (int64_t d = 0; d < D; d += 8) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t c = 0; c < nc; c++) {
+                const __m256 w = _mm256_set1_ps(expf(part[at[c] + 2 * i] - m) * inv);
+                acc = _mm256_fmadd_ps(w, _mm256_loadu_ps(part + at[c] + 2 * g + i * D + d), acc);
+            }
+            _mm256_storeu_ps(out + i * D + d, acc);
+        }
+    }
+}
+
+typedef struct {
+    int64_t seq, h, a, b; /* prompt: query positions [a, b); decode: keys [a, b) */
+    int64_t chunk;        /* decode: index of this key chunk among its (seq, h)'s; -1 for a prompt item */
+} work32_t;
+
+/* Attention of a whole forward step, one call per layer, several sequences.
+ * Returns 0 on success, 1 if the arguments are out of range, 2 if out of memory.
+ *   q: [N, Hq, D] rows of all sequences in order, row stride q_row (floats);
+ *   kc, vc: one layer of the KV arena, [slots, Hkv, D] contiguous (the new keys already written);
+ *   slots: the contexts of all sequences concatenated, sequence b's at ctx_off[b] .. ctx_off[b+1];
+ *   q_off: [B+1] row offsets (sequence b has T_b = q_off[b+1] - q_off[b] new tokens at the end of
+ *     its context, positions P_b .. P_b + T_b - 1 with P_b = S_b - T_b);
+ *   decode: [B] 1 where the sequence's one new token is a generated one;
+ *   out: [N, Hq, D] contiguous. */
+TGT int rc32_paged_attention(const float *q, int64_t q_row, const float *kc, const float *vc, const int64_t *slots,
+                             const int64_t *ctx_off, const int64_t *q_off, const uint8_t *decode, int64_t B, int64_t Hq,
+                             int64_t Hkv, int64_t D, float scale, float *out, int nthreads) {
+    if (B < 1 || Hkv < 1 || Hq % Hkv != 0 || D % 16 != 0 || D > DMAX || nthreads < 1) return 1;
+    const int64_t g = Hq / Hkv, slot_row = Hkv * D;
+    int64_t pack_floats = 0, nitems = 0, npack = 0, ndec = 0, dec_keys = 0;
+    for (int64_t b = 0; b < B; b++) {
+        int64_t T = q_off[b + 1] - q_off[b], S = ctx_off[b + 1] - ctx_off[b];
+        if (T < 1 || S < T || (decode[b] && T != 1)) return 1;
+        if (decode[b]) {
+            ndec++;
+            dec_keys += S;
+        } else {
+            int64_t S_pad = (S + KB - 1) / KB * KB;
+            pack_floats += Hkv * S_pad * D;
+            npack += Hkv * (S_pad / KB);
+            nitems += Hkv * ((T + QPOS - 1) / QPOS);
+        }
+    }
+    /* decode chunks of DCHUNK keys: two threads share even one sequence, and how a row is split
+     * depends on its own context length only (the same result in any batch) */
+    int64_t *nchunks = calloc((size_t)B, sizeof(int64_t));
+    int64_t *dec_at = calloc((size_t)B, sizeof(int64_t));
+    if (!nchunks || !dec_at) {
+        free(nchunks); free(dec_at);
+        return 2;
+    }
+    int64_t dec_items = 0, part_floats = 0;
+    for (int64_t b = 0; b < B; b++) {
+        if (!decode[b]) continue;
+        int64_t S = ctx_off[b + 1] - ctx_off[b];
+        nchunks[b] = (S + DCHUNK - 1) / DCHUNK;
+        dec_at[b] = dec_items;
+        dec_items += Hkv * nchunks[b];
+        part_floats += Hkv * nchunks[b] * g * (DCHUNK + 2 + D);
+    }
+    float *pack = pack_floats ? aligned_alloc(32, (size_t)pack_floats * sizeof(float)) : NULL;
+    float *part = part_floats ? malloc((size_t)part_floats * sizeof(float)) : NULL;
+    int64_t *pack_at = malloc(sizeof(int64_t) * (size_t)B);
+    int64_t *part_at = malloc(sizeof(int64_t) * (size_t)(dec_items ? dec_items : 1));
+    work32_t *items = malloc(sizeof(work32_t) * (size_t)(nitems + dec_items + 1));
+    work32_t *packs = malloc(sizeof(work32_t) * (size_t)(npack ? npack : 1));
+    if ((pack_floats && !pack) || (part_floats && !part) || !pack_at || !part_at || !items || !packs) {
+        free(pack); free(part); free(pack_at); free(part_at); free(items); free(packs); free(nchunks); free(dec_at);
+        return 2;
+    }
+    int64_t at = 0, ni = 0, np = 0, pat = 0;
+    for (int64_t b = 0; b < B; b++) { /* decode chunks first: each is short, the prompt items fill in after */
+        if (!decode[b]) continue;
+        int64_t S = ctx_off[b + 1] - ctx_off[b];
+        for (int64_t h = 0; h < Hkv; h++)
+            for (int64_t c = 0; c < nchunks[b]; c++) {
+                int64_t lo = c * DCHUNK, hi = (c + 1) * DCHUNK < S ? (c + 1) * DCHUNK : S;
+                part_at[dec_at[b] + h * nchunks[b] + c] = pat;
+                pat += g * (DCHUNK + 2 + D);
+                items[ni++] = (work32_t){b, h, lo, hi, c};
+            }
+    }
+    for (int64_t b = 0; b < B; b++) {
+        pack_at[b] = at;
+        if (decode[b]) continue;
+        int64_t T = q_off[b + 1] - q_off[b], S = ctx_off[b + 1] - ctx_off[b];
+        int64_t S_pad = (S + KB - 1) / KB * KB, nqb = (T + QPOS - 1) / QPOS;
+        at += Hkv * S_pad * D;
+        for (int64_t h = 0; h < Hkv; h++)
+            for (int64_t c = 0; c < S_pad / KB; c++) packs[np++] = (work32_t){b, h, c, 0, -1};
+        for (int64_t qb = nqb - 1; qb >= 0; qb--) /* the latest query blocks (most keys) first */
+            for (int64_t h = 0; h < Hkv; h++)
+                items[ni++] = (work32_t){b, h, qb * QPOS, (qb + 1) * QPOS < T ? (qb + 1) * QPOS : T, -1};
+    }
+    /* decode results: (sequence, KV head) pairs to merge */
+    int64_t nmerge = ndec * Hkv;
+    work32_t *merges = malloc(sizeof(work32_t) * (size_t)(nmerge ? nmerge : 1));
+    if (!merges) {
+        free(pack); free(part); free(pack_at); free(part_at); free(items); free(packs); free(nchunks); free(dec_at);
+        return 2;
+    }
+    int64_t nm = 0;
+    for (int64_t b = 0; b < B; b++)
+        if (decode[b])
+            for (int64_t h = 0; h < Hkv; h++) merges[nm++] = (work32_t){b, h, 0, 0, 0};
+    /* the fewest barriers: each costs a scheduler quantum when the machine is oversubscribed */
+#pragma omp parallel num_threads(nthreads)
+    {
+        if (np > 0) {
+#pragma omp for schedule(static)
+        for (int64_t w = 0; w < np; w++) {
+            work32_t it = packs[w];
+            int64_t S = ctx_off[it.seq + 1] - ctx_off[it.seq], S_pad = (S + KB - 1) / KB * KB;
+            float *kp = pack + pack_at[it.seq] + it.h * S_pad * D;
+            pack_keys(kc, slot_row, slots + ctx_off[it.seq], S, it.h, D, it.a * KB, (it.a + 1) * KB, kp);
+        }
+        }
+#pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t w = 0; w < ni; w++) {
+            work32_t it = items[w];
+            int64_t S = ctx_off[it.seq + 1] - ctx_off[it.seq], T = q_off[it.seq + 1] - q_off[it.seq];
+            const float *qs = q + q_off[it.seq] * q_row;
+            if (it.chunk >= 0) { /* block: [g][2] max and sum, [g][D] outputs, then the scores' scratch */
+                float *pp = part + part_at[dec_at[it.seq] + it.h * nchunks[it.seq] + it.chunk];
+                decode_part(qs, D, g, it.h, it.a, it.b, kc, vc, slot_row, slots + ctx_off[it.seq], scale, pp + g * (2 + D),
+                            pp, pp + 2 * g);
+            } else {
+                int64_t S_pad = (S + KB - 1) / KB * KB;
+                const float *kp = pack + pack_at[it.seq] + it.h * S_pad * D;
+                attend_item(qs, q_row, D, g, it.h, it.a, it.b, S - T, kp, vc, slot_row, slots + ctx_off[it.seq], scale,
+                            out + q_off[it.seq] * Hq * D, Hq * D);
+            }
+        }
+        if (nmerge > 0) {
+#pragma omp barrier
+#pragma omp for schedule(static) nowait
+        for (int64_t w = 0; w < nmerge; w++) {
+            work32_t it = merges[w];
+            decode_merge(nchunks[it.seq], g, D, part, part_at + dec_at[it.seq] + it.h * nchunks[it.seq],
+                         out + q_off[it.seq] * Hq * D + it.h * g * D);
+        }
+        }
+    }
+    free(pack); free(part); free(pack_at); free(part_at); free(items); free(packs); free(nchunks); free(dec_at); free(merges);
+    return 0;
+}
+
+/* ---- fused row-wise steps -------------------------------------------------------------------- */
+
+/* In place on qkv [N, Hq + 2 Hkv, D] (row stride (Hq + 2 Hkv) D): rotate the Hq query and Hkv key
+ * heads of row n by cos/sin [N, D] (HF "rotate_half" layout), then write row n's keys and values
+ * to kc/vc [slots, Hkv, D] at slot slots[n]. D % 16 == 0. */
+TGT void rc32_rope_write(float *qkv, int64_t N, int64_t Hq, int64_t Hkv, int64_t D, const float *cos, const float *sin,
+                         float *kc, float *vc, const int64_t *slots, int nthreads) {
+    const int64_t row = (Hq + 2 * Hkv) * D, half = D / 2;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (N > 16)
+    for (int64_t n = 0; n < N; n++) {
+        float *x = qkv + n * row;
+        const float *c = cos + n * D, *s = sin + n * D;
+        for (int64_t h = 0; h < Hq + Hkv; h++) {
+            float *xh = x + h * D;
+            for (int64_t d = 0; d < half; d += 8) {
+                __m256 a = _mm256_loadu_ps(xh + d), b = _mm256_loadu_ps(xh + half + d);
+                /* out[:half] = a cos - b sin; out[half:] = b cos + a sin (x cos + rotate_half(x) sin) */
+                __m256 lo = _mm256_fmsub_ps(a, _mm256_loadu_ps(c + d), _mm256_mul_ps(b, _mm256_loadu_ps(s + d)));
+                __m256 hi = _mm256_fmadd_ps(b, _mm256_loadu_ps(c + half + d), _mm256_mul_ps(a, _mm256_loadu_ps(s + half + d)));
+                _mm256_storeu_ps(xh + d, lo);
+                _mm256_storeu_ps(xh + half + d, hi);
+            }
+        }
+        memcpy(kc + slots[n] * Hkv * D, x + Hq * D, sizeof(float) * (size_t)(Hkv * D));
+        memcpy(vc + slots[n] * Hkv * D, x + (Hq + Hkv) * D, sizeof(float) * (size_t)(Hkv * D));
+    }
+}
+
+/* h [N, H] += delta (if not NULL), then out = weight * h * rsqrt(mean(h^2) + eps). H % 8 == 0. */
+TGT void rc32_add_rms_norm(float *h, const float *delta, const float *weight, float eps, int64_t N, int64_t H, float *out,
+                           int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (N > 16)
+    for (int64_t n = 0; n < N; n++) {
+        float *x = h + n * H;
+        __m256 ss = _mm256_setzero_ps();
+        for (int64_t i = 0; i < H; i += 8) {
+            __m256 v = _mm256_loadu_ps(x + i);
+            if (delta) {
+                v = _mm256_add_ps(v, _mm256_loadu_ps(delta + n * H + i));
+                _mm256_storeu_ps(x + i, v);
+            }
+            ss = _mm256_fmadd_ps(v, v, ss);
+        }
+        const __m256 r = _mm256_set1_ps(1.0f / sqrtf(hsum256(ss) / (float)H + eps));
+        for (int64_t i = 0; i < H; i += 8)
+            _mm256_storeu_ps(out + n * H + i, _mm256_mul_ps(_mm256_loadu_ps(weight + i), _mm256_mul_ps(_mm256_loadu_ps(x + i), r)));
+    }
+}
+
+/* out [N, I] = silu(gate) * up, with gate_up [N, 2I] = [gate | up] per row. I % 8 == 0. */
+TGT void rc32_silu_mul(const float *gate_up, int64_t N, int64_t I, float *out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (N > 16)
+    for (int64_t n = 0; n < N; n++) {
+        const float *gt = gate_up + n * 2 * I, *u = gt + I;
+        for (int64_t i = 0; i < I; i += 8) {
+            __m256 x = _mm256_loadu_ps(gt + i);
+            __m256 sig = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+            _mm256_storeu_ps(out + n * I + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + i)));
+        }
+    }
+}
+
+/* ---- linear layers for few rows ------------------------------------------------------------ */
+
+/* y[m0 .. m0+MR) rows of x W^T (+ b) for weight rows [n0, n0 + 4): each weight row is loaded once
+ * for all MR input rows; one accumulator per (weight row, input row), summed across lanes at the end. */
+TGT static inline __attribute__((always_inline)) void linear_tile(const float *x, int64_t K, const float *W, const float *b,
+                                                                    int64_t N, float *y, int64_t n0, int64_t nr, int64_t m0,
+                                                                    const int MR) {
+    __m256 acc[4][3];
+    const float *w[4];
+    for (int r = 0; r < 4; r++) {
+        w[r] = W + (n0 + (r < nr ? r : nr - 1)) * K;
+        for (int j = 0; j < MR; j++) acc[r][j] = _mm256_setzero_ps();
+    }
+    for (int64_t k = 0; k < K; k += 8) {
+        __m256 xv[3];
+        for (int j = 0; j < MR; j++) xv[j] = _mm256_loadu_ps(x + (m0 + j) * K + k);
+        for (int r = 0; r < 4; r++) {
+            __m256 wv = _mm256_loadu_ps(w[r] + k);
+            for (int j = 0; j < MR; j++) acc[r][j] = _mm256_fmadd_ps(wv, xv[j], acc[r][j]);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int j = 0; j < MR; j++) y[(m0 + j) * N + n0 + r] = hsum256(acc[r][j]) + (b ? b[n0 + r] : 0.0f);
+}
+
+/* y [M, N] = x [M, K] W [N, K]^T (+ b [N]) for few rows M (decode steps, short prompt chunks): the
+ * weight streams from memory once per call whatever M is, in rows of 4 per step, threads taking
+ * contiguous ranges of output columns. A row's result never depends on M or on the other rows.
+ * K % 8 == 0. */
+TGT void rc32_linear_rows(const float *x, int64_t M, int64_t K, const float *W, const float *b, int64_t N, float *y,
+                          int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += 4) {
+        const int64_t nr = N - n0 < 4 ? N - n0 : 4;
+        int64_t m0 = 0;
+        for (; m0 + 3 <= M; m0 += 3) linear_tile(x, K, W, b, N, y, n0, nr, m0, 3);
+        if (M - m0 == 2) linear_tile(x, K, W, b, N, y, n0, nr, m0, 2);
+        else if (M - m0 == 1) linear_tile(x, K, W, b, N, y, n0, nr, m0, 1);
+    }
+}

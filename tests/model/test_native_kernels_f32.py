@@ -1,0 +1,227 @@
+"""The native float32 CPU kernels (AVX2 + FMA) against the torch reference, and the row independence
+they keep. They run on every x86-64 CPU since Haswell / Zen 1, so CI exercises them."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ragcache_backend.model.kernels import apply_rope, attention, native, prefix_causal_mask, rope_cos_sin
+from ragcache_backend.model.kernels.native import NativeKernelError
+
+pytestmark = pytest.mark.skipif(not native.available(torch.float32, "cpu", 64),
+                                reason=f"float32 native kernels: {native.unavailable_reason(torch.float32, 'cpu', 64)}")
+
+
+def _arena(slots: int, hkv: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(slots, hkv, d, generator=g), torch.randn(slots, hkv, d, generator=g)
+
+
+def _reference(q, kc, vc, slots, cached):
+    new, d = q.shape[0], q.shape[2]
+    return attention(q.double(), kc[slots].double(), vc[slots].double(), scale=d**-0.5,
+                     mask=prefix_causal_mask(new, cached + new)).float()
+
+
+@pytest.mark.parametrize("cached,new,hq,hkv,d", [(0, 1, 9, 3, 64), (0, 70, 9, 3, 64), (5, 3, 4, 4, 64), (130, 64, 8, 2, 128),
+                                                   (63, 1, 9, 3, 64), (64, 65, 6, 3, 64), (300, 300, 9, 3, 64),
+                                                   (17, 33, 4, 1, 32), (1024, 30, 9, 3, 64), (40, 9, 16, 1, 16)])
+def test_paged_attention_matches_the_reference(cached, new, hq, hkv, d):
+    kc, vc = _arena(2048, hkv, d, seed=cached + new)
+    g = torch.Generator().manual_seed(7)
+    slots = torch.randperm(2048, generator=g)[: cached + new]
+    qkv = torch.randn(new, hq + 2 * hkv, d, generator=g)
+    q = qkv[:, :hq]  # strided rows, as the runner passes them
+    out = native.paged_prefill_attention(q, kc, vc, slots, cached, d**-0.5)
+    assert out.shape == (new, hq, d) and out.dtype == torch.float32
+    assert (out - _reference(q, kc, vc, slots, cached)).abs().max().item() < 2e-6
+
+
+def test_paged_attention_rows_do_not_depend_on_the_other_rows():
+    """Row t is bit-identical whether 0, 1, 17, 64 or 999 of the rows before it came from the
+    cache, and whether later rows run in the same call."""
+    kc, vc = _arena(2048, 3, 64, seed=1)
+    g = torch.Generator().manual_seed(2)
+    slots = torch.randperm(2048, generator=g)[:1000]
+    q = torch.randn(1000, 9, 64, generator=g)
+    cold = native.paged_prefill_attention(q, kc, vc, slots, 0, 0.125)
+    for cached in (1, 17, 64, 500, 999):
+        warm = native.paged_prefill_attention(q[cached:], kc, vc, slots, cached, 0.125)
+        assert torch.equal(warm, cold[cached:]), cached
+    head = native.paged_prefill_attention(q[:300], kc, vc, slots[:300], 0, 0.125)
+    assert torch.equal(head, cold[:300])
+
+
+@pytest.mark.parametrize("context,hq,hkv,d", [(1, 9, 3, 64), (15, 9, 3, 64), (16, 9, 3, 64), (511, 9, 3, 64), (512, 9, 3, 64),
+                                              (513, 9, 3, 64), (1000, 9, 3, 64), (3000, 9, 3, 64), (77, 8, 1, 128),
+                                              (600, 10, 1, 32)])
+def test_decode_kernel_matches_the_reference(context, hq, hkv, d):
+    """Contexts over 512 keys are split into chunks whose partial softmax sums are merged."""
+    kc, vc = _arena(4096, hkv, d, seed=context)
+    g = torch.Generator().manual_seed(9)
+    slots = torch.randperm(4096, generator=g)[:context]
+    q = torch.randn(1, hq, d, generator=g)
+    out = native.paged_prefill_attention(q, kc, vc, slots, context - 1, d**-0.5, decode=True)
+    assert (out - _reference(q, kc, vc, slots, context - 1)).abs().max().item() < 2e-6
+
+
+def test_one_call_for_a_mixed_step_equals_one_call_per_sequence():
+    """Prompts (cold and over a cached prefix) and generated tokens in one call give the same rows,
+    bit for bit, as each sequence alone: no row depends on the batch."""
+    kc, vc = _arena(8192, 3, 64, seed=10)
+    g = torch.Generator().manual_seed(11)
+    perm = torch.randperm(8192, generator=g)
+    specs = [(0, 130, False), (500, 1, True), (200, 7, False), (63, 1, False), (1, 1, True), (2000, 1, True)]
+    contexts, at = [], 0
+    for cached, new, _ in specs:
+        contexts.append(perm[at : at + cached + new])
+        at += cached + new
+    q = torch.randn(sum(n for _, n, _ in specs), 9, 64, generator=g)
+    batch = native.attention_batch(contexts, [n for _, n, _ in specs], [dec for _, _, dec in specs])
+    together = native.paged_attention(q, kc, vc, batch, 0.125)
+    row = 0
+    for (cached, new, dec), ctx in zip(specs, contexts):
+        alone = native.paged_prefill_attention(q[row : row + new], kc, vc, ctx, cached, 0.125, decode=dec)
+        assert torch.equal(together[row : row + new], alone)
+        row += new
+
+
+def test_rope_write_matches_apply_rope_and_writes_the_arena():
+    n, hq, hkv, d = 37, 9, 3, 64
+    g = torch.Generator().manual_seed(4)
+    qkv = torch.randn(n, hq + 2 * hkv, d, generator=g)
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    cos, sin = rope_cos_sin(inv_freq, torch.arange(100, 100 + n), dtype=torch.float32)
+    ref = apply_rope(qkv[:, : hq + hkv].clone(), cos, sin)
+    kc, vc = torch.zeros(256, hkv, d), torch.zeros(256, hkv, d)
+    slots = torch.randperm(256, generator=g)[:n]
+    values = qkv[:, hq + hkv :].clone()
+    native.rope_write(qkv, hq, hkv, cos, sin, kc, vc, slots)
+    assert (qkv[:, : hq + hkv] - ref).abs().max().item() < 1e-5
+    assert torch.equal(kc[slots], qkv[:, hq : hq + hkv]) and torch.equal(vc[slots], values)
+    untouched = torch.ones(256, dtype=torch.bool)
+    untouched[slots] = False
+    assert not kc[untouched].any() and not vc[untouched].any()
+
+
+def test_add_rms_norm_matches_the_transformers_norm():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(33, 576, generator=g)
+    delta = torch.randn(33, 576, generator=g)
+    norm = LlamaRMSNorm(576, eps=1e-5)
+    norm.weight.data = torch.rand(576, generator=g) + 0.5
+    expect_h = h + delta
+    expect = norm(expect_h)
+    got = native.add_rms_norm(h, delta, norm.weight.data, 1e-5)
+    assert torch.equal(h, expect_h)  # the residual is updated in place
+    assert (got - expect).abs().max().item() < 1e-5
+    assert torch.equal(native.add_rms_norm(h.clone(), None, norm.weight.data, 1e-5), got)
+
+
+def test_silu_mul_matches_torch():
+    g = torch.Generator().manual_seed(6)
+    gate_up = torch.randn(9, 2 * 1536, generator=g) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    expect = F.silu(gate) * up
+    assert (native.silu_mul(gate_up) - expect).abs().max().item() < 1e-5 * expect.abs().max().item()
+
+
+@pytest.mark.parametrize("n,k,bias", [(576, 576, False), (960, 576, True), (1, 1536, False), (7, 8, True), (49152, 64, False)])
+def test_linear_rows_matches_f_linear_and_rows_do_not_depend_on_the_batch(n, k, bias):
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(16, k, generator=g)
+    full = native.linear_rows(x, w, b)
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double()).float()
+    assert (full - ref).abs().max().item() < 1e-5 * max(1.0, k**0.5)
+    for m in (1, 2, 3, 4, 5, 13):
+        assert torch.equal(native.linear_rows(x[:m], w, b), full[:m]), m
+        assert torch.equal(native.linear_rows(x[m:], w, b), full[m:]), m
+
+
+def test_linear_layers_take_the_rows_kernel_for_few_rows_only():
+    from ragcache_backend.model.kernels.linear import pack_linear
+
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(96, 64, generator=g), torch.randn(40, 64, generator=g)
+    lin = pack_linear(w)
+    assert lin.rows_kernel
+    assert torch.equal(lin(x[:4]), native.linear_rows(x[:4], w))
+    assert (lin(x) - F.linear(x, w)).abs().max().item() < 1e-5  # many rows: oneDNN's GEMM
+    assert not pack_linear(torch.randn(96, 60)).rows_kernel  # K not a multiple of 8
+
+
+def test_bad_arguments_raise_a_typed_error():
+    kc, vc = _arena(64, 3, 64, seed=0)
+    q = torch.randn(4, 9, 64)
+    with pytest.raises(NativeKernelError):
+        native.paged_prefill_attention(q.double(), kc, vc, torch.arange(4), 0, 0.125)  # no float64 kernel
+    with pytest.raises(NativeKernelError):
+        native.paged_prefill_attention(q, kc.bfloat16(), vc.bfloat16(), torch.arange(4), 0, 0.125)  # dtypes differ
+    with pytest.raises(NativeKernelError):
+        native.paged_prefill_attention(q, kc, vc, torch.arange(5), 0, 0.125)  # slots != cached + new
+    with pytest.raises(NativeKernelError):
+        native.silu_mul(torch.randn(2, 24))  # 2I not a multiple of 16
+    with pytest.raises(NativeKernelError):
+        native.add_rms_norm(torch.randn(2, 64), None, torch.ones(32), 1e-5)
+    with pytest.raises(NativeKernelError):
+        native.linear_rows(torch.randn(2, 64), torch.randn(8, 32))  # K differs
+    assert "float16" in native.unavailable_reason(torch.float16, "cpu", 64)
+    assert "head size" in native.unavailable_reason(torch.float32, "cpu", 72)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    """A random 2-layer Llama with head size 64 and GQA, float32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ragcache_backend.model.loader import LoadedModel
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=192, intermediate_size=384, num_hidden_layers=2, num_attention_heads=3,
+                      num_key_value_heads=1, max_position_embeddings=2048, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval()
+    return LoadedModel(model=model, tokenizer=None, name="tiny-f32-64", fingerprint="tiny-f32-64", dtype=torch.float32,
+                       device=torch.device("cpu"), context_window=2048)
+
+
+def test_runner_native_path_matches_transformers_across_the_cache(tiny_llama):
+    from ragcache_backend.model.runner import ForwardInput, KVRun, ModelRunner
+
+    runner = ModelRunner(copy.deepcopy(tiny_llama), num_device_blocks=64, block_size=16)
+    assert runner.native_attention and runner.native_fused and runner.kernel_tag == "native-fused"
+    g = torch.Generator().manual_seed(8)
+    toks = tuple(torch.randint(0, 512, (300,), generator=g).tolist())
+    cold = runner.forward([ForwardInput(toks, (), (KVRun(tuple(range(19)), 0, 300),))], all_logits=True)[0]
+    # the same prompt with its first 200 tokens from the cache (computed in another call, other blocks)
+    runner.forward([ForwardInput(toks[:200], (), (KVRun(tuple(range(20, 33)), 0, 200),))])
+    warm = runner.forward([ForwardInput(toks[200:], (KVRun(tuple(range(20, 33)), 0, 200),),
+                                        (KVRun(tuple(range(40, 47)), 0, 100),))], all_logits=True)[0]
+    with torch.inference_mode():
+        ref = tiny_llama.model(torch.tensor([toks])).logits[0]
+    assert (cold - ref).abs().max().item() < 1e-4
+    assert (warm - cold[200:]).abs().max().item() < 1e-5
+    # decode steps (the decode kernel) against transformers' forward over the growing sequence
+    seq, blocks = list(toks), tuple(range(19)) + (19, 50, 51)
+    for _ in range(3):
+        nxt = int(torch.argmax(ref[-1]))
+        got = runner.forward([ForwardInput((nxt,), (KVRun(blocks, 0, len(seq)),), (KVRun(blocks, len(seq), 1),), decode=True)])[0]
+        seq.append(nxt)
+        with torch.inference_mode():
+            ref = tiny_llama.model(torch.tensor([seq])).logits[0]
+        assert (got - ref[-1]).abs().max().item() < 1e-4
+
+
+def test_the_torch_path_is_kept_when_the_kernels_are_off(tiny_llama, monkeypatch):
+    from ragcache_backend.model.runner import ModelRunner
+
+    monkeypatch.setattr(native, "unavailable_reason", lambda *a, **k: "RAGCACHE_NATIVE_KERNELS=0")
+    runner = ModelRunner(copy.deepcopy(tiny_llama), num_device_blocks=8, block_size=16)
+    assert runner.kernel_tag == "torch" and not runner.native_attention
