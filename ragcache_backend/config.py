@@ -35,6 +35,7 @@ class EngineConfig(BaseModel):
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
     device_budget_bytes: int = Field(512 * MiB, ge=1, description="device tier (KV arena) budget, bytes")
     host_budget_bytes: int = Field(2048 * MiB, ge=0, description="host tier budget, bytes; 0 disables the host tier")
+    host_in_arena: bool = Field(True, description="on a CPU, the host tier's KV lives in the KV arena's own memory (one pool of blocks under the device and host budgets): a node moves between the two tiers without a copy and a host-tier hit is attended in place; the host part is committed as it fills. Ignored on CUDA, where the memories differ")
     policy: Literal["pgdsf", "gdsf", "lru", "lfu"] = Field("pgdsf", description="replacement policy (RAGCache §5.1)")
     enable_cache: bool = Field(True, description="False = recompute every prompt (the no-cache baseline)")
     whole_prompt_reuse: bool = Field(True, description="cache the question and template tail too (all but the last token), so an exact repeat reuses the whole prompt")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ragcache_backend.errors import CacheBudgetError, InvalidRequestError
 
-__all__ = ["BlockAllocator", "KVRun", "blocks_for"]
+__all__ = ["BlockAllocator", "BlockQuota", "KVRun", "blocks_for"]
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -60,6 +60,10 @@ class BlockAllocator:
         """Ids currently handed out (for invariant checks)."""
         return frozenset(self._used)
 
+    def is_used(self, block: int) -> bool:
+        """True if ``block`` is handed out."""
+        return block in self._used
+
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` free blocks; raise CacheBudgetError if fewer than ``n`` are free."""
         if n < 0:
@@ -90,6 +94,96 @@ class BlockAllocator:
             seen.add(b)
         self._used.difference_update(ids)
         self._free.extend(reversed(ids))
+
+
+class BlockQuota:
+    """One tier's share of a block pool: at most ``cap`` of the pool's blocks held at once.
+
+    On a CPU the device arena and the host tier are the same DRAM, so both tiers draw their blocks
+    from one pool (:class:`BlockAllocator` over the whole arena) under two budgets, and a node moves
+    between them by handing its blocks over (:meth:`give` then :meth:`take`), with no copy. With a
+    pool of its own (``cap == pool.num_blocks``) it behaves exactly as the pool.
+
+    Args:
+        pool: the arena's allocator (shared, or this tier's own).
+        cap: most blocks held at once (<= ``pool.num_blocks``).
+
+    Raises:
+        InvalidRequestError: ``cap`` negative or above the pool's size.
+    """
+
+    __slots__ = ("pool", "_cap", "_held")
+
+    def __init__(self, pool: BlockAllocator, cap: int) -> None:
+        if not 0 <= cap <= pool.num_blocks:
+            raise InvalidRequestError(f"a quota of {cap} blocks does not fit a pool of {pool.num_blocks}")
+        self.pool = pool
+        self._cap = cap
+        self._held: set[int] = set()
+
+    @property
+    def num_blocks(self) -> int:
+        """The quota, in blocks."""
+        return self._cap
+
+    @property
+    def num_free(self) -> int:
+        """Blocks this quota may still take (bounded by what the pool has free)."""
+        return min(self._cap - len(self._held), self.pool.num_free)
+
+    @property
+    def num_used(self) -> int:
+        """Blocks held under this quota."""
+        return len(self._held)
+
+    def used_blocks(self) -> frozenset[int]:
+        """Ids held under this quota (for invariant checks)."""
+        return frozenset(self._held)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` free blocks of the pool; raise CacheBudgetError beyond the quota or the pool."""
+        if n < 0:
+            raise InvalidRequestError(f"cannot allocate a negative number of blocks ({n})")
+        if n > self.num_free:
+            raise CacheBudgetError(f"need {n} KV blocks but only {self.num_free} of {self._cap} are free")
+        out = self.pool.allocate(n)
+        self._held.update(out)
+        return out
+
+    def free(self, blocks: Iterable[int]) -> None:
+        """Return held ``blocks`` to the pool; all-or-nothing (ValueError on a block not held)."""
+        ids = list(blocks)
+        foreign = [b for b in ids if b not in self._held]
+        if foreign:
+            raise ValueError(f"blocks {foreign} are not held under this quota")
+        self.pool.free(ids)  # also rejects repeats
+        self._held.difference_update(ids)
+
+    def give(self, blocks: Iterable[int]) -> list[int]:
+        """Stop holding ``blocks`` without freeing them (another quota takes them); all-or-nothing.
+
+        Raises:
+            ValueError: a block not held, or repeated.
+        """
+        ids = list(blocks)
+        if len(set(ids)) != len(ids) or not self._held.issuperset(ids):
+            raise ValueError(f"blocks {ids} are not distinct blocks held under this quota")
+        self._held.difference_update(ids)
+        return ids
+
+    def take(self, blocks: Iterable[int]) -> None:
+        """Hold ``blocks`` another quota gave away (allocated in the pool, held by none); all-or-nothing.
+
+        Raises:
+            CacheBudgetError: the quota has no room for them.
+            ValueError: a block is not allocated in the pool, already held here, or repeated.
+        """
+        ids = list(blocks)
+        if len(set(ids)) != len(ids) or self._held.intersection(ids) or not all(self.pool.is_used(b) for b in ids):
+            raise ValueError(f"blocks {ids} cannot be taken (not allocated, held already, or repeated)")
+        if len(self._held) + len(ids) > self._cap:
+            raise CacheBudgetError(f"a quota of {self._cap} blocks cannot take {len(ids)} more ({len(self._held)} held)")
+        self._held.update(ids)
 
 
 @dataclass(slots=True, frozen=True)

@@ -8,8 +8,11 @@ its prefill is committed (:meth:`DeviceTier.adopt`, no copy). Nodes leave by the
 among *device leaves*: unlocked nodes with no child on device (a child's KV is only valid after
 its parent's, so a parent never goes first).
 
-Budget and usage are counted in blocks and reported in bytes (``block_bytes`` each). Not
-thread-safe: callers serialize access.
+Budget and usage are counted in blocks and reported in bytes (``block_bytes`` each). With a
+shared pool (a CPU, where the arena and the host tier are the same DRAM) the tier holds a quota of
+the arena's blocks and a node moves to and from the host tier by handing its blocks over
+(:meth:`DeviceTier.release`, :meth:`DeviceTier.take`), never copied. Not thread-safe: callers
+serialize access.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from ragcache_backend.cache.blocks import BlockAllocator, blocks_for
+from ragcache_backend.cache.blocks import BlockAllocator, BlockQuota, blocks_for
 from ragcache_backend.cache.evictor import Evictor
 from ragcache_backend.cache.knowledge_tree import Node, TierName
 from ragcache_backend.cache.policy import PolicyFn
@@ -44,19 +47,22 @@ class DeviceTier:
     """The arena's ``num_blocks`` blocks of ``block_size`` tokens as a tier.
 
     Args:
-        num_blocks: arena capacity, in blocks (>= 1).
+        num_blocks: the tier's capacity, in blocks (>= 1).
         block_size: tokens per block (>= 1).
         mover: copies KV between the arena and host buffers.
         policy: the replacement policy (eviction order among device leaves).
         locks: the cache's locked nodes (never evicted).
+        pool: the arena's block pool when it is shared with the host tier (the tier then holds at
+            most ``num_blocks`` of it); None: a pool of ``num_blocks`` blocks of its own.
 
     Raises:
-        InvalidRequestError: a capacity or block size below 1.
+        InvalidRequestError: a capacity or block size below 1, or a capacity above the pool's.
     """
 
     name = DEVICE
 
-    def __init__(self, num_blocks: int, block_size: int, mover: KVMover, policy: PolicyFn, locks: NodeLocks) -> None:
+    def __init__(self, num_blocks: int, block_size: int, mover: KVMover, policy: PolicyFn, locks: NodeLocks,
+                 pool: BlockAllocator | None = None) -> None:
         if num_blocks < 1:
             raise InvalidRequestError(f"num_device_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -65,12 +71,21 @@ class DeviceTier:
         self.evictor: Evictor[Node] = Evictor(DEVICE, policy, _is_leaf)
         self.mover = mover  # copies KV between the arena and host buffers
         self._locks = locks
-        self._alloc = BlockAllocator(num_blocks)
+        self._alloc = BlockQuota(pool if pool is not None else BlockAllocator(num_blocks), num_blocks)
         self._request_blocks: set[int] = set()
         #: seconds spent in the mover's copies into the arena (swap in)
         self.copy_s = 0.0
 
     # ---- sizes ---------------------------------------------------------------------------------
+    @property
+    def pool(self) -> BlockAllocator:
+        """The arena's block pool (shared with the host tier, or this tier's own)."""
+        return self._alloc.pool
+
+    def held_blocks(self) -> frozenset[int]:
+        """Block ids held by the tier's nodes and running requests (for invariant checks)."""
+        return self._alloc.used_blocks()
+
     @property
     def num_blocks(self) -> int:
         return self._alloc.num_blocks
@@ -205,6 +220,40 @@ class DeviceTier:
         if node.device_blocks is None:
             return None
         return self.mover.swap_out(node.device_blocks, node.num_tokens)
+
+    def release(self, node: Node) -> list[int]:
+        """Take the node off the device *without freeing its blocks*, which the caller hands to the
+        host tier of a shared pool (:meth:`HostTier.take`); its parent may become a device leaf.
+
+        Raises:
+            InvalidRequestError: the node is not on device.
+        """
+        if node.device_blocks is None:
+            raise InvalidRequestError(f"{node!r} is not on device")
+        blocks = self._alloc.give(node.device_blocks)
+        node.device_blocks = None
+        self.evictor.forget(node)
+        if node.parent is not None:
+            self.evictor.offer(node.parent)
+        return blocks
+
+    def take(self, node: Node, blocks: Sequence[int]) -> None:
+        """Make ``blocks`` of the shared pool, holding the node's KV (released by the host tier), its
+        device copy: no copy is made. The caller made room (:meth:`make_room_blocks`).
+
+        Raises:
+            InvalidRequestError: the node is on device already, its parent is not, or the block
+                count does not fit its tokens.
+            CacheBudgetError: the tier has no room for them.
+        """
+        if node.device_blocks is not None:
+            raise InvalidRequestError(f"{node!r} is already on device")
+        _require_on_device(node.parent)
+        if len(blocks) != self.blocks_for(node.num_tokens):
+            raise InvalidRequestError(f"{node.num_tokens} tokens need {self.blocks_for(node.num_tokens)} blocks, got {len(blocks)}")
+        self._alloc.take(blocks)
+        node.device_blocks = list(blocks)
+        self.evictor.reprice(node)
 
     def drop(self, node: Node) -> None:
         """Free the node's blocks; its parent may become a device leaf."""

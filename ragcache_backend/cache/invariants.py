@@ -5,7 +5,8 @@
 * locks: locked nodes sit on device; the lock table equals the nodes with ``lock_ref > 0``;
 * tiers: a node has a priority exactly in the tiers it is in; every eviction candidate of a tier
   is in that tier's heap; each tier's own books (device blocks owned by nodes or requests, never
-  both; host bytes counted = bytes held; budgets held).
+  both; host bytes counted = bytes held; budgets held); in a shared pool, every used block held by
+  exactly one of the two tiers.
 """
 
 from __future__ import annotations
@@ -48,6 +49,13 @@ def check_invariants(tree: KnowledgeTree, stack: TierStack) -> None:
             problems.append(f"{name} candidates missing from the heap: {missing}")
     problems += stack.device.problems(nodes)
     problems += stack.host.problems(nodes)
+    if stack.shared_pool:  # every pool block is the device tier's or one host copy's, never both
+        host_blocks = {b for n in nodes if n.host_kv is not None for b in getattr(n.host_kv, "blocks", ())}
+        device_blocks = stack.device.held_blocks()
+        if host_blocks & device_blocks:
+            problems.append(f"pool blocks held by both tiers: {sorted(host_blocks & device_blocks)[:8]}")
+        if host_blocks | device_blocks != stack.device.pool.used_blocks():
+            problems.append("the pool's used blocks differ from device + host blocks")
     if stack.locks.as_set() != {n for n in nodes if n.lock_ref}:
         problems.append("locked-node set out of sync with lock_ref")
     if len(nodes) != len(tree):

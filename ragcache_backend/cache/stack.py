@@ -20,6 +20,10 @@ decides what eviction *means* across them:
   token ids only; read back into the host tier; counted as disk hits, and as ``remote_hits``).
 * **Replicas** (RAGCache §6): nodes at the top of the tree (the system prompt) get a host copy
   when inserted, so a device failure loses no hot prefix and their later eviction costs no copy.
+* **A shared pool** (a CPU: the arena and the host tier are the same DRAM, one pool of blocks
+  under two budgets): a device victim's blocks are handed to the host tier and a host hit's
+  blocks handed back, with no copy (``moved_out`` / ``moved_in``); a node is in one of the two at
+  a time, so there are no replicas (a copy in the same memory protects nothing).
 
 The stack moves KV only through the tiers and the :class:`~ragcache_backend.cache.tier.KVMover`;
 it never touches tensors. Not thread-safe: callers serialize access.
@@ -58,6 +62,8 @@ class CacheStats:
     host_evictions: int = 0
     dropped_nodes: int = 0  # removed from the cache because the host could not take them
     swap_ins: int = 0  # host -> device copies
+    moved_out: int = 0  # device -> host moves in a shared pool (blocks handed over, no copy)
+    moved_in: int = 0  # host -> device moves in a shared pool (a host hit attended in place, no copy)
     copy_s: float = 0.0  # seconds spent in KV copies between tiers (swap out + swap in)
     variant_hits: int = 0  # chunks served from a cached variant (approximate hits)
     variants_added: int = 0  # chunk variants recorded
@@ -190,10 +196,21 @@ class TierStack:
                 self.remove(n)
 
     # ---- copies between memory tiers ---------------------------------------------------------
+    @property
+    def shared_pool(self) -> bool:
+        """The device and host tiers share one pool of arena blocks (moves between them copy nothing)."""
+        return self.host.shared
+
     def swap_out(self, n: Node) -> bool:
-        """Copy device node ``n``'s KV to host, making room there; False if the host cannot take it."""
+        """Copy device node ``n``'s KV to host, making room there; False if the host cannot take it.
+        In a shared pool the node *moves*: its blocks are handed to the host tier, no copy."""
         if not self.make_host_room(self.host.nbytes(n.num_tokens)):
             return False
+        if self.shared_pool:
+            if not self.host.take(n, self.device.release(n)):
+                raise AssertionError(f"host room was made for {n!r} but it does not fit")
+            self.stats.moved_out += 1
+            return True
         t0 = time.perf_counter()
         try:
             kv = self.device.get(n)
@@ -212,9 +229,14 @@ class TierStack:
 
     def swap_in(self, node: Node) -> bool:
         """Copy a locked host-only ``node`` into new device blocks; False (nothing changed) if no
-        room can be made. On a failed copy the blocks are freed and the error propagates."""
+        room can be made. On a failed copy the blocks are freed and the error propagates. In a
+        shared pool the node moves: its host blocks become its device blocks, no copy."""
         if not self.make_device_room(self.device.blocks_for(node.num_tokens)):
             return False
+        if self.shared_pool:
+            self.device.take(node, self.host.release(node))
+            self.stats.moved_in += 1
+            return True
         c0 = self.device.copy_s
         try:
             placed = self.device.put(node, node.host_kv)
@@ -344,7 +366,8 @@ class TierStack:
         tier; an upper node also gets a host copy now (RAGCache §6 replica)."""
         if (self.disk is not None or self.remote is not None) and not node.approximate:
             self._to_persist.append(node)
-        if depth <= self.replica_depth and not node.in_host and self.host.enabled and node.lock_ref:
+        if (depth <= self.replica_depth and not node.in_host and self.host.enabled and node.lock_ref
+                and not self.shared_pool):
             if self.swap_out(node):
                 self.stats.host_replicas += 1
 
@@ -371,7 +394,9 @@ class TierStack:
                     continue
                 if not n.resident:
                     break
-                kv = self.host.get(n) if n.in_host else self.device.get(n)  # device: a temporary host copy
+                # the host tier's own copy, or a temporary one (from device, or from a shared pool)
+                borrowed = n.in_host and self.host.borrows
+                kv = self.host.get(n) if n.in_host else self.device.get(n)
                 try:
                     if to_disk:
                         disk_ok = disk.put(n, kv)
@@ -379,7 +404,7 @@ class TierStack:
                     if to_remote and remote.put(n, kv):
                         self.stats.remote_queued += 1
                 finally:
-                    if not n.in_host:
+                    if not borrowed:
                         copied += self.host.nbytes(n.num_tokens)
                         self.device.mover.free_host(kv)  # the writers keep its tensors
         self.stats.disk_queued += queued

@@ -29,7 +29,7 @@ thread-safe by design: callers serialize access (one scheduler thread).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from ragcache_backend.cache.blocks import blocks_for
+from ragcache_backend.cache.blocks import BlockAllocator, blocks_for
 from ragcache_backend.cache.chunk_reuse import RecomputeRule, VariantInfo, VariantStats
 from ragcache_backend.cache.device import DeviceTier
 from ragcache_backend.cache.disk import DiskStore
@@ -47,7 +47,13 @@ from ragcache_backend.cache.tier import KVMover, NodeLocks
 from ragcache_backend.cache.variants import VariantStore
 from ragcache_backend.errors import CacheBudgetError, InvalidRequestError
 
-__all__ = ["AcquiredPrefix", "CacheStats", "KVMover", "MatchResult", "TieredCache", "Lease", "SegmentSpec"]
+__all__ = ["AcquiredPrefix", "CacheStats", "KVMover", "MatchResult", "TieredCache", "Lease", "SegmentSpec",
+           "shared_pool_blocks"]
+
+
+def shared_pool_blocks(num_device_blocks: int, host_budget_bytes: int, block_bytes: int) -> int:
+    """Blocks of the arena a shared pool needs: the device tier's plus the host budget's whole blocks."""
+    return num_device_blocks + host_budget_bytes // block_bytes
 
 
 class TieredCache:
@@ -61,6 +67,9 @@ class TieredCache:
         mover: copies KV between tiers (the model's KV arena; a simulation in tests).
         policy: a name from ``policy.POLICIES``.
         profile: prefill profile for eq. 3's cost; required by ``pgdsf``.
+        shared_pool: the device and host tiers share one pool of arena blocks (a CPU, where both
+            are DRAM): the mover's arena must hold :func:`shared_pool_blocks` blocks; nodes move
+            between the tiers without a copy and host hits are attended in place.
 
     Raises:
         InvalidRequestError: a capacity below 1 block, a negative host budget, or ``pgdsf``
@@ -69,7 +78,7 @@ class TieredCache:
     """
 
     def __init__(self, num_device_blocks: int, block_size: int, host_budget_bytes: int, mover: KVMover, *,
-                 policy: str = "pgdsf", profile: PrefillProfile | None = None) -> None:
+                 policy: str = "pgdsf", profile: PrefillProfile | None = None, shared_pool: bool = False) -> None:
         if num_device_blocks < 1:
             raise InvalidRequestError(f"num_device_blocks must be >= 1, got {num_device_blocks}")
         if block_size < 1:
@@ -86,8 +95,11 @@ class TieredCache:
         self._tree = KnowledgeTree()
         self._access = 0
         locks = NodeLocks()
-        device = DeviceTier(num_device_blocks, block_size, mover, fn, locks)
-        host = HostTier(host_budget_bytes, mover, fn, locks)
+        pool = None
+        if shared_pool and host_budget_bytes > 0:
+            pool = BlockAllocator(shared_pool_blocks(num_device_blocks, host_budget_bytes, mover.host_nbytes(block_size)))
+        device = DeviceTier(num_device_blocks, block_size, mover, fn, locks, pool=pool)
+        host = HostTier(host_budget_bytes, mover, fn, locks, pool=pool, block_size=block_size)
         self._mover = mover
         self._stack = TierStack(self._tree, device, host, locks, self.stats)
         self._variants = VariantStore(self._tree, self._stack, self.stats)
@@ -584,6 +596,8 @@ class TieredCache:
             node = self._tree.add_child(parent, key, num_tokens, tokens)
         self._stack.lock(node)
         self._stack.device.adopt(node, ids)
+        if node.in_host and self._stack.shared_pool:  # a second copy in the same memory protects nothing
+            self._stack.host.drop(node)
         return node
 
     def release(self, nodes: Sequence[Node]) -> None:

@@ -21,7 +21,7 @@ import torch
 from ragcache_backend.cache.disk import DiskStore
 from ragcache_backend.cache.remote import RemoteStore
 from ragcache_backend.cache.profile import DEFAULT_ALPHAS, DEFAULT_BETAS, PrefillProfile, measure_profile
-from ragcache_backend.cache.tiers import TieredCache
+from ragcache_backend.cache.tiers import TieredCache, shared_pool_blocks
 from ragcache_backend.config import EngineConfig, ragcache_home
 from ragcache_backend.engine.scheduler import Scheduler, SchedulerConfig
 from ragcache_backend.errors import CacheBudgetError
@@ -79,12 +79,15 @@ def build_parts(config: EngineConfig, *, loaded: LoadedModel | None = None, prof
     num_blocks = cfg.device_budget_bytes // block_bytes
     if num_blocks < 1:
         raise CacheBudgetError(f"device budget {cfg.device_budget_bytes} B is below one KV block ({block_bytes} B)")
-    runner = ModelRunner(loaded, num_device_blocks=num_blocks, block_size=cfg.block_size)
+    # on a CPU the host tier lives in the arena's own memory: moves between the tiers copy nothing
+    shared = cfg.host_in_arena and loaded.device.type == "cpu" and cfg.host_budget_bytes > 0 and cfg.enable_cache
+    arena_blocks = shared_pool_blocks(num_blocks, cfg.host_budget_bytes, block_bytes) if shared else num_blocks
+    runner = ModelRunner(loaded, num_device_blocks=arena_blocks, block_size=cfg.block_size, committed_blocks=num_blocks)
     if profile is None and cfg.policy == "pgdsf" and cfg.enable_cache:
-        profile = load_or_measure_profile(cfg, loaded, runner)
+        profile = load_or_measure_profile(cfg, loaded, runner, num_blocks)
     cache = TieredCache(
         num_blocks, cfg.block_size, cfg.host_budget_bytes, runner.arena,
-        policy=cfg.policy if profile is not None or cfg.policy != "pgdsf" else "gdsf", profile=profile)
+        policy=cfg.policy if profile is not None or cfg.policy != "pgdsf" else "gdsf", profile=profile, shared_pool=shared)
     if cfg.disk_dir is not None and cfg.enable_cache and cfg.disk_budget_bytes > 0:
         cache.attach_disk(DiskStore(cfg.disk_dir, loaded.fingerprint, runner.kv_layout, loaded.dtype,
                                     cfg.disk_budget_bytes, policy=cache.policy_name))
@@ -100,10 +103,12 @@ def build_parts(config: EngineConfig, *, loaded: LoadedModel | None = None, prof
                        stop_ids, GrammarCompiler(loaded.tokenizer, stop_ids, len(loaded.tokenizer)))
 
 
-def load_or_measure_profile(cfg: EngineConfig, loaded: LoadedModel, runner: ModelRunner) -> PrefillProfile:
+def load_or_measure_profile(cfg: EngineConfig, loaded: LoadedModel, runner: ModelRunner,
+                            device_blocks: int | None = None) -> PrefillProfile:
     """The prefill profile from ``cfg.profile_path`` (or the per-machine file under
     ``ragcache_home()/profiles``), measured on ``runner`` and saved when absent (~15 s for the
-    default model). The arena's first blocks are used as scratch: call before any request runs."""
+    default model). The arena's first blocks (at most ``device_blocks``, the device tier's; None:
+    the whole arena) are used as scratch: call before any request runs."""
     threads = torch.get_num_threads()
     # the cost of a prefill depends on the machine and on which kernels run it: both name the file
     path = cfg.profile_path or (
@@ -112,7 +117,7 @@ def load_or_measure_profile(cfg: EngineConfig, loaded: LoadedModel, runner: Mode
     )
     if path.exists():
         return PrefillProfile.load(path)
-    cap = runner.num_device_blocks * runner.block_size
+    cap = (device_blocks or runner.num_device_blocks) * runner.block_size
     scale = min(1.0, cap / (DEFAULT_ALPHAS[-1] + DEFAULT_BETAS[-1]))
     alphas = sorted({int(a * scale) for a in DEFAULT_ALPHAS})
     betas = sorted({max(1, int(b * scale)) for b in DEFAULT_BETAS})

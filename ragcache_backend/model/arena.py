@@ -55,8 +55,10 @@ class KVArena:
         device: where the arena lives.
         inv_freq: float32 ``[head_dim / 2]`` RoPE inverse frequencies of the model (for
             :meth:`copy_rerotated`).
+        committed_blocks: blocks committed (zeroed, touched) at construction, from block 0; the
+            rest (the host tier's part of a shared pool) is committed as it is written. None: all.
 
-    The arena is allocated (and touched) up front: its memory is committed at construction.
+    The device part is allocated and touched up front: its memory is committed at construction.
 
     Attributes:
         k_cache, v_cache: ``[num_layers, num_blocks * block_size, num_kv_heads, head_dim]`` in
@@ -67,7 +69,7 @@ class KVArena:
                  "k_cache", "v_cache")
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, inv_freq: torch.Tensor) -> None:
+                 dtype: torch.dtype, device: torch.device, inv_freq: torch.Tensor, committed_blocks: int | None = None) -> None:
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -77,10 +79,17 @@ class KVArena:
         self.device = device
         self.inv_freq = inv_freq
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        # zeros, not empty: the arena is committed up front (a bounded budget, as vLLM's), so the
-        # first write to a block never pays the page faults of lazily committed memory
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        committed = num_blocks if committed_blocks is None else min(num_blocks, committed_blocks)
+        if committed >= num_blocks:
+            # zeros, not empty: the arena is committed up front (a bounded budget, as vLLM's), so the
+            # first write to a block never pays the page faults of lazily committed memory
+            self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+            self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        else:  # the device part committed; the host part (a shared pool) as the host tier fills
+            self.k_cache = torch.empty(shape, dtype=dtype, device=device)
+            self.v_cache = torch.empty(shape, dtype=dtype, device=device)
+            self.k_cache[:, : committed * block_size].zero_()
+            self.v_cache[:, : committed * block_size].zero_()
 
     # ---- sizes -------------------------------------------------------------------------------
     @property

@@ -59,10 +59,12 @@ class ModelRunner:
 
     Args:
         loaded: model + tokenizer from :func:`ragcache_backend.model.loader.load_model`.
-        num_device_blocks: size of the device arena, in blocks.
+        num_device_blocks: size of the KV arena, in blocks (on a CPU with a shared pool, the device
+            tier's blocks and the host tier's).
         block_size: tokens per block.
+        committed_blocks: blocks committed at construction (the device tier's); None: all.
 
-    The arena is allocated (and touched) up front: its memory is committed at construction.
+    The arena's device part is allocated (and touched) up front: its memory is committed at construction.
 
     Attributes:
         arena: the device KV arena (:class:`~ragcache_backend.model.arena.KVArena`), also the
@@ -70,14 +72,15 @@ class ModelRunner:
         layers: the decoder (:class:`~ragcache_backend.model.llama.PagedLlama`).
     """
 
-    def __init__(self, loaded: LoadedModel, num_device_blocks: int, block_size: int = 16) -> None:
+    def __init__(self, loaded: LoadedModel, num_device_blocks: int, block_size: int = 16,
+                 committed_blocks: int | None = None) -> None:
         self.loaded = loaded
         self.device = loaded.device
         self.dtype = loaded.dtype
         self.layers = PagedLlama(loaded)  # fuses the weights first: their temporaries never meet a full arena
         self.num_layers = self.layers.num_layers
         self.arena = KVArena(self.num_layers, num_device_blocks, block_size, self.layers.num_kv_heads,
-                             self.layers.head_dim, self.dtype, self.device, self.layers.inv_freq)
+                             self.layers.head_dim, self.dtype, self.device, self.layers.inv_freq, committed_blocks)
 
     # ---- the arena's and the layers' names, kept on the runner ---------------------------------
     @property
@@ -131,7 +134,7 @@ class ModelRunner:
 
     @property
     def native_attention(self) -> bool:
-        """Attention runs on the native bf16 kernel."""
+        """Attention runs on a native kernel (float32 AVX2 or bf16 AVX512-BF16)."""
         return self.layers.native_attention
 
     @property

@@ -79,6 +79,10 @@ class EngineCollector(Collector):
         yield evictions
         yield CounterMetricFamily("ragcache_cache_swap_outs", "Device-to-host KV copies", value=stat("swap_outs"))
         yield CounterMetricFamily("ragcache_cache_swap_ins", "Host-to-device KV copies", value=stat("swap_ins"))
+        yield CounterMetricFamily("ragcache_cache_moves_out", "Device-to-host moves in a shared pool (no copy)",
+                                  value=stat("moved_out"))
+        yield CounterMetricFamily("ragcache_cache_moves_in", "Host-to-device moves in a shared pool: host hits attended "
+                                  "in place (no copy)", value=stat("moved_in"))
         yield CounterMetricFamily("ragcache_cache_disk_writes", "KV files written to the disk tier", value=dstat("writes"))
         yield CounterMetricFamily("ragcache_cache_disk_write_failures", "Disk-tier writes that failed (full disk, I/O)",
                                   value=dstat("write_failures"))

@@ -228,7 +228,7 @@ class CompletionService:
                 raise APIError(400, f"the prompt of {prompt_tokens} tokens fills the {window}-token context window",
                                param="messages", code="context_length_exceeded")
         n = body.n or 1
-        arena = self.engine.runner.num_device_blocks * self.engine.runner.block_size
+        arena = self.engine.cache.num_device_blocks * self.engine.runner.block_size
         if n > 1 and prompt_tokens + n * limit > arena:
             raise APIError(400, f"n={n} choices of up to {limit} tokens over a {prompt_tokens}-token prompt need "
                                 f"{prompt_tokens + n * limit} tokens of KV; the device arena holds {arena}",

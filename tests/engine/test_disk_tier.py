@@ -253,11 +253,30 @@ def test_failure_before_the_first_token_is_retried_by_recomputation(tiny_model, 
 
 
 def test_the_system_prompt_keeps_a_host_replica(tiny_model, fixed_profile):
-    e = make_engine(tiny_model, fixed_profile)
+    """Where host memory differs from the arena's (CUDA; here: the host tier outside the arena)."""
+    e = make_engine(tiny_model, fixed_profile, host_in_arena=False)
     e.generate(Q, DOCS, GREEDY)
     top = list(e.cache.tree.root.children.values())
     assert len(top) == 1 and top[0].in_device and top[0].in_host
     assert e.cache.stats.host_replicas == 1
     # no other node has a replica (the prompt's last, shorter block is kept on host alone: an exact repeat's)
     assert all(not (n.in_host and n.in_device) for n in e.cache.tree if n not in top)
+    assert_no_leak(e)
+
+
+def test_a_shared_pool_keeps_no_replica_and_moves_nodes_without_copies(tiny_model, fixed_profile):
+    """On a CPU the host tier lives in the arena (the default): a copy in the same memory
+    protects nothing, and host hits are attended in place."""
+    from ragcache_backend.model.runner import kv_bytes_per_token
+
+    e = make_engine(tiny_model, fixed_profile, device_budget_bytes=40 * 16 * kv_bytes_per_token(tiny_model))  # 40 blocks
+    assert e.cache.tiers.shared_pool
+    first = e.generate(Q, DOCS, GREEDY)
+    assert e.cache.stats.host_replicas == 0
+    for i in range(6):  # other documents push the first request's nodes to the host tier
+        e.generate(Q, [f"Other document {i}: " + "filler words " * 60], GREEDY)
+    assert e.cache.stats.moved_out > 0
+    again = e.generate(Q, DOCS, GREEDY)
+    assert again.host_hits > 0 and again.token_ids == first.token_ids
+    assert e.cache.stats.moved_in > 0 and e.cache.stats.swap_ins == 0
     assert_no_leak(e)
