@@ -21,6 +21,7 @@ import torch
 
 from ragcache_backend.errors import ModelLoadError
 from ragcache_backend.model.arch import FAMILIES, describe
+from ragcache_backend.model.packaged import GEMMA3_NAME, gemma3_270m_path
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +89,10 @@ def default_model_path() -> Path:
 
 
 #: Models that come inside PyPI packages, by the names ``model=`` and ``ragcache serve MODEL``
-#: accept (case-insensitive), each with the function that finds its file.
-PACKAGED_MODELS = {DEFAULT_MODEL_NAME.lower(): default_model_path, "smollm2": default_model_path}
+#: accept (case-insensitive), each with the function that finds its file or folder (Gemma 3 270M:
+#: converted once from its packaged GGUF, :mod:`ragcache_backend.model.packaged`).
+PACKAGED_MODELS = {DEFAULT_MODEL_NAME.lower(): default_model_path, "smollm2": default_model_path,
+                   GEMMA3_NAME: gemma3_270m_path, "gemma3-270m": gemma3_270m_path}
 
 
 def resolve_model(model: str | os.PathLike[str] | None) -> Path:
@@ -108,7 +111,7 @@ def resolve_model(model: str | os.PathLike[str] | None) -> Path:
     path = Path(model).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path does not exist: {path} (give a .gguf file, a Hugging Face model folder, "
-                             f"or a packaged model: {', '.join(sorted({DEFAULT_MODEL_NAME, 'smollm2'}))})")
+                             f"or a packaged model: {', '.join(sorted({DEFAULT_MODEL_NAME, 'smollm2', GEMMA3_NAME}))})")
     return path
 
 
