@@ -168,6 +168,24 @@ def test_rerotated_keys_equal_keys_computed_at_the_new_position_in_every_layer(t
         assert (runner.k_cache[layer, sl_m] - expect).abs().max().item() < 1e-5
 
 
+def test_recomputing_every_token_of_moved_chunks_equals_the_cold_prompt(tiny, runner):
+    """Chunk reuse with recompute share 1 (Cache-Craft): chunks computed in another context and
+    position, moved by per-layer re-rotation, every token recomputed at explicit positions over
+    the merged context, give transformers' logits of the cold prompt (windows and all)."""
+    b = Blocks()
+    sys_, c1, c2, q = _toks(6, 8), _toks(13, 9), _toks(15, 10), _toks(5, 11)
+    other = _toks(9, 12)
+    ov, v2 = b.run(6 + 9), b.run(15)
+    runner.forward([ForwardInput(sys_ + other + c2, (), (ov, v2))])  # c2 after another document
+    sv, v1 = b.run(6), b.run(13)
+    runner.forward([ForwardInput(sys_ + c1, (), (sv, v1))])
+    r1, r2, rq = b.run(13), b.run(15), b.run(5)
+    runner.copy_rerotated(v1, r1, 0)
+    runner.copy_rerotated(v2, r2, (6 + 13) - (6 + 9))
+    out = runner.forward([ForwardInput(c1 + c2 + q, (sv, r1, r2, rq), (), positions=tuple(range(6, 39)))])[0]
+    assert (out - _reference(tiny, sys_ + c1 + c2 + q)[-1]).abs().max().item() <= TOL
+
+
 def test_gemma3_description_and_native_gaps():
     spec = describe(_gemma3().model)
     assert spec.windows == (8, None, 8, 8) and spec.layer_rope == (1, 0, 1, 1)
