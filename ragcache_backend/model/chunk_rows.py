@@ -86,6 +86,7 @@ class ChunkRows:
         tracker: Algorithm 1's state.
         stopped: original row -> layers it was computed in, for rows that stopped early.
         focus_layer: ``L*`` once Algorithm 1 decided (0 before).
+        window_bias: sliding window -> ``bias`` limited to it (built on first use, dropped when rows stop).
     """
 
     index: int
@@ -108,6 +109,7 @@ class ChunkRows:
     tracker: FocusTracker | None = None
     stopped: dict[int, int] = field(default_factory=dict)
     focus_layer: int = 0
+    window_bias: dict[int, torch.Tensor] = field(default_factory=dict)
     _blend_dev: torch.Tensor | None = None
 
     # ---- set-up ----------------------------------------------------------------------------------
@@ -167,19 +169,31 @@ class ChunkRows:
             return kc.index_select(0, self.write).float(), vc.index_select(0, self.write).float()
         return None
 
+    def _bias(self, window: int | None) -> torch.Tensor:
+        """The explicit positions' mask, limited to a sliding window (keys ``pos - window + 1 .. pos``)."""
+        if window is None:
+            return self.bias
+        if window not in self.window_bias:
+            keys = torch.arange(self.context.numel(), device=self.bias.device)
+            outside = keys[None, :] <= self.positions.to(self.bias.device)[:, None] - window
+            self.window_bias[window] = self.bias.masked_fill(outside, float("-inf"))
+        return self.window_bias[window]
+
     def after_write(self, before, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, a: torch.Tensor, layer: int,
-                    scale: float, attention: Callable, stat_layer: bool) -> None:
+                    scale: float, attention: Callable, stat_layer: bool, window: int | None = None) -> None:
         """After the rows' K/V were written: attention over explicit positions (into ``a``),
-        statistics, deviation, Algorithm 1's update."""
+        statistics, deviation, Algorithm 1's update; ``window`` is the layer's sliding window (None:
+        full attention)."""
         qs = q[self.lo : self.hi]
         stats = self.mass is not None and stat_layer
         need_k = self.explicit or stats or self.focus is not None
         ctx_k = kc.index_select(0, self.context) if need_k else None
         if self.explicit:
-            a[self.lo : self.hi] = attention(qs, ctx_k, vc.index_select(0, self.context), scale=scale, mask=self.bias)
+            a[self.lo : self.hi] = attention(qs, ctx_k, vc.index_select(0, self.context), scale=scale, mask=self._bias(window))
         if stats:  # one query head per KV head (heads of a group see the same keys)
             group = qs.shape[1] // ctx_k.shape[1]
-            m = segment_attention_mass(qs[:, ::group], ctx_k, self.positions, self.segments, self.num_segments, scale=scale)
+            m = segment_attention_mass(qs[:, ::group], ctx_k, self.positions, self.segments, self.num_segments, scale=scale,
+                                       window=window)
             self.mass.index_add_(0, self.alive, m.sum(dim=1))
         if before is not None:
             k_old, v_old = before
@@ -193,9 +207,9 @@ class ChunkRows:
                 self.deviation.index_add_(0, self.alive, dev)
                 self.dev_layers.index_add_(0, self.alive, torch.ones_like(dev))
         if self.focus is not None and self.tracker.focused is None:
-            self._feed_focus(qs, ctx_k, scale)
+            self._feed_focus(qs, ctx_k, scale, window)
 
-    def _feed_focus(self, qs: torch.Tensor, ctx_k: torch.Tensor, scale: float) -> None:
+    def _feed_focus(self, qs: torch.Tensor, ctx_k: torch.Tensor, scale: float, window: int | None) -> None:
         local = {int(o): i for i, o in enumerate(self.alive.tolist())}
         rows = [local[r] for r in self.focus.question if r in local]
         if not rows:
@@ -203,7 +217,7 @@ class ChunkRows:
         idx = torch.tensor(rows, device=qs.device)
         k = len(self.focus.chunks)
         m = segment_attention_mass(qs.index_select(0, idx), ctx_k, self.positions.index_select(0, idx),
-                                   self.focus_segments, k + 1, scale=scale)  # [U, Hq, k + 1]
+                                   self.focus_segments, k + 1, scale=scale, window=window)  # [U, Hq, k + 1]
         self.tracker.feed(m[..., :k].mean(dim=1).sum(dim=0).tolist())
 
     def rows_to_stop(self, layer: int) -> list[int]:
@@ -236,4 +250,5 @@ class ChunkRows:
         self.write = self.write.index_select(0, local_keep)
         if self.bias is not None:
             self.bias = self.bias.index_select(0, local_keep)
+        self.window_bias.clear()
         self.lo, self.hi = new_lo, new_lo + local_keep.numel()

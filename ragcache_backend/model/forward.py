@@ -125,6 +125,8 @@ class StepRows:
         native_rows: their rows in the step (None: every row is theirs).
         rope: dtype -> ``(cos, sin)`` tables for ``positions`` (cleared when rows stop).
         gemm_rows: which rows are prompt rows, for the layer GEMMs (updated when rows stop).
+        windowed: ``(sequence, window)`` -> its attention plan in sliding-window layers (built on
+            first use from ``modes``).
     """
 
     num_layers: int
@@ -142,6 +144,7 @@ class StepRows:
     native_rows: torch.Tensor | None = None
     rope: dict = field(default_factory=dict)
     gemm_rows: StepRowClasses | None = None
+    windowed: dict = field(default_factory=dict)
 
     def classify_rows(self) -> StepRowClasses:
         """The step's rows by class for the layer GEMMs (:func:`~ragcache_backend.model.kernels.linear.step_rows`)."""

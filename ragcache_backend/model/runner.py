@@ -80,7 +80,14 @@ class ModelRunner:
         self.layers = PagedLlama(loaded)  # fuses the weights first: their temporaries never meet a full arena
         self.num_layers = self.layers.num_layers
         self.arena = KVArena(self.num_layers, num_device_blocks, block_size, self.layers.num_kv_heads,
-                             self.layers.head_dim, self.dtype, self.device, self.layers.inv_freq, committed_blocks)
+                             self.layers.head_dim, self.dtype, self.device, self._rerotation_freq(), committed_blocks)
+
+    def _rerotation_freq(self) -> torch.Tensor:
+        """What the arena re-rotates keys with: the one RoPE table (``[D/2]``), or one per layer
+        (``[L, D/2]``) when the layers' bases differ (Gemma 3: local vs global layers)."""
+        if len(self.layers.arch.ropes) == 1:
+            return self.layers.inv_freq
+        return self.layers.layer_inv_freq
 
     # ---- the arena's and the layers' names, kept on the runner ---------------------------------
     @property

@@ -104,13 +104,25 @@ def cacheable_lead(segments: Sequence[Segment]) -> list[Segment]:
     return lead
 
 
+def bos_text(tokenizer) -> str:
+    """The BOS token's text when ``tokenizer`` puts one before plain text (Gemma, Llama 2), else
+    "": a prompt without a chat template starts with it, as the tokenizer's own encoding would
+    (Gemma's output degrades without it)."""
+    bos, bos_id = getattr(tokenizer, "bos_token", None), getattr(tokenizer, "bos_token_id", None)
+    if not bos or bos_id is None:
+        return ""
+    ids = tokenizer("a")["input_ids"]
+    return bos if ids and ids[0] == bos_id else ""
+
+
 class PromptBuilder:
     """Turns ``(system prompt, documents, question)`` into segments with the model's chat template.
 
     Args:
         tokenizer: a transformers tokenizer. With a chat template, the template is rendered once
             with placeholder markers and split into its fixed pieces; without one, a plain
-            ``system / documents / Question: ... Answer:`` layout is used.
+            ``system / documents / Question: ... Answer:`` layout is used (after the BOS token
+            where the tokenizer adds one, :func:`bos_text`).
         system_prompt: the system message (plain text).
     """
 
@@ -128,7 +140,7 @@ class PromptBuilder:
             mid, rest = rest.split(_CTX, 1)
             between, end = rest.split(_Q, 1)
             return head, mid, between, end
-        return "", "\n\n", "", "\nAnswer:"
+        return bos_text(self.tokenizer), "\n\n", "", "\nAnswer:"
 
     def encode_text(self, text: str) -> tuple[int, ...]:
         """Token ids of user-supplied text, special-token strings treated as plain text."""

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 from ragcache_backend.retrieval.documents import Document
 from ragcache_backend.errors import InvalidRequestError
-from ragcache_backend.prompts.builder import PromptBuilder, Segment, SegmentKind
+from ragcache_backend.prompts.builder import PromptBuilder, Segment, SegmentKind, bos_text
 
 __all__ = ["ANCHOR_CHARS", "ChatTurn", "DocumentRecognizer", "PromptSegmenter", "RecognizedSpan",
            "SegmentedPrompt"]
@@ -250,8 +250,8 @@ class PromptSegmenter:
     def _render(self, turns: Sequence[ChatTurn]) -> list[str]:
         """The template pieces around the message contents: ``len(turns) + 1`` strings."""
         tok = self.prompts.tokenizer
-        if not getattr(tok, "chat_template", None):  # no template: contents separated by blank lines
-            return ["", *["\n\n"] * (len(turns) - 1), "\n\n"]
+        if not getattr(tok, "chat_template", None):  # no template: contents separated by blank lines, after any BOS
+            return [bos_text(tok), *["\n\n"] * (len(turns) - 1), "\n\n"]
         messages = [{"role": t.role, "content": _SENTINEL.format(i)} for i, t in enumerate(turns)]
         rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         parts = _SENTINEL_RE.split(rendered)

@@ -64,14 +64,35 @@ def test_bad_paths_and_architectures(tmp_path, tiny_folder):
 
 
 def test_an_unsupported_architecture_is_refused_before_any_weight_is_read(tmp_path):
-    """A Gemma 3 folder whose weights are garbage: refused for its architecture (named, with the
+    """A Gemma 2 folder whose weights are garbage: refused for its architecture (named, with the
     supported list) in well under a second, so the weights were never read."""
     import time
 
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3_text"}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma2"}))
     (tmp_path / "model.safetensors").write_bytes(b"not weights" * 1000)
     start = time.perf_counter()
-    with pytest.raises(ModelLoadError, match="'gemma3_text' is not supported; supported: llama, mistral, qwen2"):
+    with pytest.raises(ModelLoadError, match="'gemma2' is not supported; supported: gemma3_text, llama, mistral, qwen2, qwen3"):
         load_model(tmp_path)
     assert time.perf_counter() - start < 1.0
     assert model_architecture(default_model_path()) == "llama"  # a GGUF's header, tensors unread
+    # a multimodal Gemma 3 folder is refused with the text-only form named
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3"}))
+    with pytest.raises(ModelLoadError, match="text-only form, gemma3_text"):
+        load_model(tmp_path)
+
+
+def test_a_gguf_header_is_read_without_parsing_the_rest(tmp_path):
+    """The architecture is the header's first key: a file cut right after it still answers, and
+    llama.cpp's ``gemma3`` is transformers' ``gemma3_text``."""
+    import struct
+
+    def header(arch: str) -> bytes:
+        key, value = b"general.architecture", arch.encode()
+        return (b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key + struct.pack("<I", 8)
+                + struct.pack("<Q", len(value)) + value)
+
+    (tmp_path / "g.gguf").write_bytes(header("gemma3"))
+    assert model_architecture(tmp_path / "g.gguf") == "gemma3_text"
+    (tmp_path / "bad.gguf").write_bytes(b"GGML" + b"\0" * 20)
+    with pytest.raises(ModelLoadError, match="not a GGUF"):
+        model_architecture(tmp_path / "bad.gguf")

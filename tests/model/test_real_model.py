@@ -122,7 +122,7 @@ def test_cli_empty_corpus_and_broken_model(tmp_path):
     corpus.mkdir()
     (corpus / "a.md").write_text("# Title\n\nSome text about Python lists and tuples.\n" * 5)
     proc = _cli("ask", "what about lists?", "--corpus", str(corpus), "--model", str(broken), env_home=tmp_path)
-    assert proc.returncode == 2 and "could not load" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "cannot read its architecture" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.slow

@@ -14,8 +14,9 @@ from ragcache_backend.model.kernels.attention import (
     prefix_causal_bias,
     prefix_causal_mask,
     segment_attention_mass,
+    window_mask,
 )
 from ragcache_backend.model.kernels.rope import apply_rope, rerotate, rope_cos_sin
 
 __all__ = ["AttentionPlan", "apply_rope", "attention", "attention_over_prefix", "attention_plan", "decode_attention", "position_mask", "prefix_causal_bias", "prefix_causal_mask", "rerotate", "rope_cos_sin",
-           "segment_attention_mass"]
+           "segment_attention_mass", "window_mask"]

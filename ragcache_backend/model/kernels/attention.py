@@ -4,10 +4,16 @@ RAGCache §5.1 prefills the non-cached suffix of a request on top of the cached 
 queries sit at the *end* of the context, so the causal mask is offset by the cached length (PyTorch's
 ``is_causal`` aligns the mask top-left when query and key lengths differ, which would be wrong).
 An arbitrary boolean mask is accepted too (selective recomputation, Cache-Craft §3.2).
+
+Sliding-window layers (Mistral, Gemma 3's local layers) add a lower limit: a query at position
+``p`` sees keys ``p - W + 1 .. p`` (transformers' ``sliding_window_overlay``: ``kv > q - W``).
+Every key stays in the arena; the window is a mask, and keys before every new query's window are
+not gathered at all (:attr:`AttentionPlan.skip`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -43,8 +49,24 @@ def position_mask(positions: torch.Tensor, num_ctx: int) -> torch.Tensor:
     return cols <= positions.to(torch.int64)[:, None]
 
 
+def window_mask(num_new: int, num_ctx: int, window: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """:func:`prefix_causal_mask` limited to a sliding window: boolean ``[num_new, num_ctx]``, new
+    query ``i`` (at context position ``p = num_ctx - num_new + i``) may attend to keys
+    ``p - window + 1 .. p``.
+
+    Raises:
+        ValueError: as :func:`prefix_causal_mask`, or ``window < 1``.
+    """
+    if window < 1:
+        raise ValueError(f"window_mask: window must be >= 1, got {window}")
+    causal = prefix_causal_mask(num_new, num_ctx, device=device)
+    rows = torch.arange(num_new, device=device)[:, None] + (num_ctx - num_new)
+    return causal & (torch.arange(num_ctx, device=device)[None, :] > rows - window)
+
+
 def segment_attention_mass(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor,
-                           num_segments: int, *, scale: float, block_rows: int = 512) -> torch.Tensor:
+                           num_segments: int, *, scale: float, block_rows: int = 512,
+                           window: int | None = None) -> torch.Tensor:
     """Softmax mass each query gives each context segment (Cache-Craft eq. 3-4), float32 reference.
 
     Computed ``block_rows`` queries at a time (the scores of a block are ``[Hq, block_rows, S]``
@@ -58,6 +80,8 @@ def segment_attention_mass(q: torch.Tensor, k: torch.Tensor, positions: torch.Te
         num_segments: number of segments.
         scale: softmax scale.
         block_rows: queries per block (>= 1).
+        window: a sliding-window layer's window (the query at ``pos`` sees keys ``pos - window + 1
+            .. pos``), or None.
 
     Returns:
         ``[T, Hq, num_segments]`` float32; each ``[t, h]`` row sums to 1.
@@ -85,6 +109,8 @@ def segment_attention_mass(q: torch.Tensor, k: torch.Tensor, positions: torch.Te
         scores = torch.bmm(qb, kt).view(hkv, group, b, s)
         bias = torch.zeros((b, s), dtype=torch.float32, device=k.device)
         bias.masked_fill_(keys[None, :] > positions[lo:hi, None], float("-inf"))
+        if window is not None:
+            bias.masked_fill_(keys[None, :] <= positions[lo:hi, None] - window, float("-inf"))
         probs = torch.softmax(scores.mul_(scale).add_(bias), dim=-1)
         mass = torch.mm(probs.view(-1, s), onehot).view(hkv, group, b, num_segments)
         out[lo:hi] = mass.permute(2, 0, 1, 3).reshape(b, hq, num_segments)
@@ -188,6 +214,10 @@ class AttentionPlan:
             and it is the same kernel, with the same key blocking, as a cold prefill.
         bias: the additive ``[T, P + T]`` mask of the masked form (None otherwise).
         decode: a generated token: :func:`decode_attention` instead of the flash kernel.
+        skip: in a sliding-window layer, the leading cached keys outside every new query's window:
+            the caller passes only the ``num_cached`` keys after them (0 otherwise).
+        window: the sliding window the plan applies (None: full attention, or a window that no
+            query's context exceeds).
 
     bf16 exactness: every prompt token goes through PyTorch's flash kernel, whose rows do not
     depend on the other query rows nor on causal-vs-masked form (keys are split in the same
@@ -200,20 +230,31 @@ class AttentionPlan:
     padded_causal: bool
     bias: torch.Tensor | None
     decode: bool = False
+    skip: int = 0
+    window: int | None = None
 
 
 def attention_plan(num_cached: int, num_new: int, dtype: torch.dtype, device: torch.device | str = "cpu", *,
-                   decode: bool = False) -> AttentionPlan:
-    """Choose the attention form for one sequence of a forward step; build once, use in every layer.
+                   decode: bool = False, window: int | None = None) -> AttentionPlan:
+    """Choose the attention form for one sequence of a forward step; build once, use in every layer
+    (of one kind: a sliding-window layer has its own plan).
 
     Args:
         decode: the new token is a generated one (``num_new`` must be 1), not a prompt token.
+        window: the layer's sliding window in tokens, or None. While the whole context fits in it
+            the plan is the full-attention one (same kernels, same roundings).
 
     Raises:
-        ValueError: ``num_new < 1``, ``num_cached < 0``, or ``decode`` with ``num_new != 1``.
+        ValueError: ``num_new < 1``, ``num_cached < 0``, ``decode`` with ``num_new != 1``, or
+            ``window < 1``.
     """
     if num_new < 1 or num_cached < 0 or (decode and num_new != 1):
         raise ValueError(f"attention_plan: need num_new >= 1 and num_cached >= 0 (1 new to decode), got {num_cached}, {num_new}")
+    if window is not None:
+        if window < 1:
+            raise ValueError(f"attention_plan: window must be >= 1, got {window}")
+        if num_cached + num_new > window:
+            return _window_plan(num_cached, num_new, window, dtype, device, decode)
     if decode and num_cached:
         return AttentionPlan(num_cached, num_new, False, None, decode=True)
     if num_new == 1 or num_cached == 0:  # decode needs no mask; a cold prefill is plain causal
@@ -223,13 +264,27 @@ def attention_plan(num_cached: int, num_new: int, dtype: torch.dtype, device: to
     return AttentionPlan(num_cached, num_new, False, prefix_causal_bias(num_new, num_cached + num_new, dtype, device))
 
 
+def _window_plan(num_cached: int, num_new: int, window: int, dtype: torch.dtype, device: torch.device | str,
+                 decode: bool) -> AttentionPlan:
+    """The plan of a sliding-window layer whose context exceeds its window: the first new query
+    (at position ``num_cached``) sees no key before ``num_cached - window + 1``, so those are
+    skipped; the rest is a band mask, or no mask when one query remains (decode, a last token)."""
+    skip = max(0, num_cached - window + 1)
+    kept = num_cached - skip
+    if kept + num_new <= window:  # one new token: every kept key is inside its window
+        return dataclasses.replace(attention_plan(kept, num_new, dtype, device, decode=decode), skip=skip, window=window)
+    bias = _additive(window_mask(num_new, kept + num_new, window, device=device), dtype)
+    return AttentionPlan(kept, num_new, False, bias, skip=skip, window=window)
+
+
 def attention_over_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
                           plan: AttentionPlan) -> torch.Tensor:
     """:func:`attention` of ``T`` new queries over ``P`` cached + ``T`` new keys, in the form
     ``plan`` chose (the result is the same up to rounding).
 
     Args:
-        q: ``[T, Hq, D]``; k, v: ``[P + T, Hkv, D]``.
+        q: ``[T, Hq, D]``; k, v: ``[P + T, Hkv, D]`` (``P = plan.num_cached``: in a sliding-window
+            plan, the cached keys after the ``plan.skip`` first ones).
 
     Returns:
         ``[T, Hq, D]`` in ``q``'s dtype.
