@@ -76,10 +76,12 @@ class DemoReport:
 
 
 def reference_profile(model: str | os.PathLike[str] | None, dtype: str, device: str | None) -> PrefillProfile | None:
-    """The prefill profile shipped for the default model (SmolLM2-135M-Instruct, float32, CPU, 2
-    threads; measured with the engine's own procedure on a 2-core AMD EPYC), when ``model`` is
-    that model run in float32 on the CPU; None otherwise (the engine then measures this machine's
-    profile, ~45 s on 2 cores, once).
+    """The prefill profile shipped for the default model (SmolLM2-135M-Instruct, float32, CPU),
+    when ``model`` is that model run in float32 on the CPU; None otherwise (the engine then
+    measures this machine's profile, ~45 s on 2 cores, once). Measured by
+    ``benchmarks/reference_profile.py`` with the engine's own procedure, 1 thread, on a shared
+    2-core AMD EPYC without AVX-512 (the minimum of 2 rounds; 2-thread timings there were
+    dominated by the other jobs' load).
 
     PGDSF uses the profile only to rank tree nodes for eviction (cost per token of recomputing a
     node); a profile measured on another CPU differs from this one's mostly by a common factor,
