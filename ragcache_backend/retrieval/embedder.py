@@ -112,6 +112,16 @@ class Embedder:
         tokenizer = self._load().tokenizer
         return sum(len(ids) for ids in tokenizer(list(texts))["input_ids"])
 
+    def token_lengths(self, texts: Sequence[str]) -> list[int]:
+        """Tokens the model reads of each text: the tokenizer's count (special tokens included)
+        capped at the model's maximum sequence length (longer texts are truncated), so that a
+        batch's cost is about proportional to the sum of these (used to sort texts into batches
+        of similar length and to estimate the time left while indexing)."""
+        model = self._load()
+        cap = getattr(model, "max_seq_length", None) or None
+        lengths = [len(ids) for ids in model.tokenizer(list(texts), verbose=False)["input_ids"]] if texts else []
+        return [min(n, cap) for n in lengths] if cap else lengths
+
     def embed_query(self, text: str) -> np.ndarray:
         """Embed one query: float32 array [dim] of L2 norm 1.
 

@@ -294,3 +294,142 @@ def test_default_store_dir(tmp_path: Path, embedder: Embedder, monkeypatch: pyte
 def test_build_index_reports_bad_corpus(tmp_path: Path, embedder: Embedder) -> None:
     with pytest.raises(CorpusError):
         build_index(tmp_path / "nope", tmp_path / "store", embedder=embedder, progress=False)
+
+
+class _RecordingEmbedder:
+    """An embedder stand-in: a text's vector is its length in one-hot-ish form; records each call."""
+
+    name = "recording"
+    dim = 8
+
+    def __init__(self) -> None:
+        self.calls: list[list[str]] = []
+
+    def token_lengths(self, texts):
+        return [min(len(t), 40) for t in texts]  # capped, as the real model's window caps them
+
+    def embed(self, texts, *, batch_size: int = 64, progress: bool = False):
+        self.calls.append(list(texts))
+        out = np.zeros((len(texts), self.dim), dtype=np.float32)
+        for row, text in zip(out, texts):
+            row[len(text) % self.dim] = 1.0
+        return out
+
+
+def test_indexing_embeds_longest_first_and_keeps_each_vector_with_its_text() -> None:
+    from ragcache_backend.retrieval import docstore
+
+    texts = [f"{'x' * (i * 7 % 53)}#{i}" for i in range(150)]
+    fake = _RecordingEmbedder()
+    vectors = docstore._embed_all(fake, texts, progress=False)
+    expected = np.zeros((len(texts), fake.dim), dtype=np.float32)
+    expected[np.arange(len(texts)), [len(t) % fake.dim for t in texts]] = 1.0
+    np.testing.assert_array_equal(vectors, expected)  # row i is texts[i]'s vector
+    flat = [t for call in fake.calls for t in call]
+    assert sorted(flat) == sorted(texts) and len(flat) == len(texts)
+    capped = fake.token_lengths(flat)
+    assert capped == sorted(capped, reverse=True)  # longest (in tokens read) first
+    assert all(len(call) <= docstore._EMBED_CHUNK for call in fake.calls)
+    assert docstore._embed_all(fake, [], progress=False).shape == (0, fake.dim)
+
+
+def test_indexing_progress_counts_tokens_and_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bar's total is the tokens the embedder reads (what the time is proportional to, so its
+    rate and ETA hold while chunks get shorter); it ends full, with every chunk counted."""
+    import tqdm.auto
+
+    from ragcache_backend.retrieval import docstore
+
+    bars = []
+
+    class Bar:
+        def __init__(self, *, total, desc, unit, disable, **_):
+            self.total, self.desc, self.unit, self.disable = total, desc, unit, disable
+            self.n, self.postfix = 0, ""
+            bars.append(self)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def update(self, n):
+            self.n += n
+
+        def set_postfix_str(self, text, refresh=True):
+            self.postfix = text
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
+    texts = ["y" * (10 + i % 60) for i in range(130)]
+    fake = _RecordingEmbedder()
+    docstore._embed_all(fake, texts, progress=True)
+    (bar,) = bars
+    assert not bar.disable and bar.unit == "tok" and "130 chunks" in bar.desc
+    assert bar.total == sum(fake.token_lengths(texts)) == bar.n
+    assert bar.postfix == "130/130 chunks"
+    docstore._embed_all(fake, texts, progress=False)
+    assert bars[-1].disable
+
+
+def test_token_lengths_are_capped_at_the_model_window(embedder: Embedder) -> None:
+    short, long = "a short text", "word " * 2000
+    lengths = embedder.token_lengths([short, long])
+    assert 3 < lengths[0] < 10 and lengths[1] == embedder._load().max_seq_length
+    assert embedder.token_lengths([]) == []
+
+
+def test_search_many_equals_one_search_per_query(store: DocumentStore) -> None:
+    queries = ["sort a list in descending order", "protect shared state between threads", "exact money sums"]
+    many = store.search_many(queries, 2)
+    assert [_ids(hits) for hits in many] == [_ids(store.search(q, 2)) for q in queries]
+    for hits, query in zip(many, queries):
+        np.testing.assert_allclose([h.score for h in hits], [h.score for h in store.search(query, 2)], atol=1e-5)
+    assert store.search_many([], 2) == []
+    with pytest.raises(EmptyQueryError):
+        store.search_many(["fine", "  "], 2)
+    with pytest.raises(InvalidRequestError):
+        store.search_many("one string", 2)
+    with pytest.raises(InvalidRequestError):
+        store.search_many(queries, 0)
+
+
+def test_build_index_rebuilds_a_store_of_another_embedder(tmp_path: Path, embedder: Embedder,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    corpus, store_dir = tmp_path / "corpus", tmp_path / "store"
+    _write_corpus(corpus)
+    build_index(corpus, store_dir, embedder=embedder, progress=False)
+    manifest = json.loads((store_dir / "manifest.json").read_text())
+    other = Embedder(device="cpu", name="another-model")
+    builds = []
+    original = DocumentStore.build.__func__  # type: ignore[attr-defined]
+    monkeypatch.setattr(DocumentStore, "build", classmethod(
+        lambda cls, *a, **kw: builds.append(1) or original(cls, *a, **kw)))
+    rebuilt = build_index(corpus, store_dir, embedder=other, progress=False)
+    assert builds == [1] and rebuilt.embedder.name == "another-model"
+    assert json.loads((store_dir / "manifest.json").read_text())["embedder"] != manifest["embedder"]
+
+
+def test_search_many_keeps_query_vectors_between_runs(store: DocumentStore, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    queries = ["sort a list in descending order", "exact money sums"]
+    cache = tmp_path / "vectors"
+    first = store.search_many(queries, 2, cache_dir=cache)
+    (saved,) = cache.glob("queries-*.npy")
+    assert [_ids(h) for h in first] == [_ids(store.search(q, 2)) for q in queries]
+
+    def no_embedder(*args, **kwargs):
+        raise AssertionError("the embedder ran although the vectors were cached")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(store.embedder, "embed", no_embedder)
+        again = store.search_many(queries, 2, cache_dir=cache)
+    assert [_ids(h) for h in again] == [_ids(h) for h in first]
+
+    store.search_many(queries[:1], 2, cache_dir=cache)  # other queries: another file
+    assert len(list(cache.glob("queries-*.npy"))) == 2
+    saved.write_bytes(b"not an array")  # damaged: recomputed and replaced, never an error
+    assert [_ids(h) for h in store.search_many(queries, 2, cache_dir=cache)] == [_ids(h) for h in first]
+    assert np.load(saved).shape == (2, store.embedder.dim)
+    np.save(saved, np.zeros((5, store.embedder.dim), dtype=np.float32))  # wrong shape: recomputed
+    assert [_ids(h) for h in store.search_many(queries, 2, cache_dir=cache)] == [_ids(h) for h in first]
