@@ -21,7 +21,7 @@ import torch
 
 from ragcache_backend.errors import ModelLoadError
 from ragcache_backend.model.arch import FAMILIES, describe
-from ragcache_backend.model.packaged import GEMMA3_NAME, gemma3_270m_path
+from ragcache_backend.model.packaged import GEMMA3_NAME, converted_gguf, gemma3_270m_path
 
 log = logging.getLogger(__name__)
 
@@ -245,6 +245,11 @@ def load_model(
             raise ModelLoadError(f"{path} is a file but not a .gguf; give a GGUF file or an HF model folder")
         folder, kwargs, files = path.parent, {"gguf_file": path.name}, [path]
         name = DEFAULT_MODEL_NAME if packaged else path.stem
+        if packaged and os.environ.get("RAGCACHE_CONVERT_PACKAGED", "1") != "0":
+            # a packaged GGUF is dequantized once into a folder that loads in a second; the
+            # fingerprint stays the GGUF's, so KV cached on disk before stays valid
+            check_architecture(path)
+            folder, kwargs = converted_gguf(path, name.lower()), {}
     else:
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model folder")
