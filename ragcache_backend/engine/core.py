@@ -467,12 +467,17 @@ class EngineCore:
         return plan_prompt(segments, whole_prompt=self.config.whole_prompt_reuse, block_tokens=self.block_tokens)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
-        """Block until no request is in flight; False if ``timeout`` seconds passed first."""
+        """Block until no request is in flight and the step that finished the last one has ended
+        (a request's result is set inside its last step, before the step hands the nodes it
+        inserted to the disk and remote tiers); False if ``timeout`` seconds passed first."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.in_flight:
             if deadline is not None and time.monotonic() > deadline:
                 return False
             time.sleep(0.005)
+        if not self._step_lock.acquire(timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())):
+            return False
+        self._step_lock.release()
         return True
 
     def live_request_ids(self) -> tuple[int, ...]:
