@@ -194,12 +194,14 @@ def test_each_chunk_commits_what_it_completed_before_the_prompt_finishes(make, m
     engine = make(budget=BUDGET, disk_dir=tmp_path / "kv")
     _, lead = _lead(engine, Q, DOCS)
     seen: list[tuple[int, int]] = []  # (lead segments in the tree, nodes queued for disk) while B prefills
+    pool: list[int] = []  # Algorithm 2's pool meanwhile: B waits for prefill until its last chunk
     holder: dict[str, object] = {}
 
     def before(_inputs):
         b = holder.get("b")
         if b is not None and b.metrics.first_token == 0.0 and b.metrics.computed_tokens > 0:
             seen.append((_matched(engine, lead), engine.cache.stats.disk_queued))
+            pool.append(engine.waiting_requests)
 
     Steps(engine, monkeypatch, before=before)
     holder["b"] = b = engine.submit(Q, DOCS, GREEDY)
@@ -208,6 +210,7 @@ def test_each_chunk_commits_what_it_completed_before_the_prompt_finishes(make, m
     assert len(seen) > 5 and matched == sorted(matched)  # segments join the tree chunk by chunk,
     assert 0 < matched[len(matched) // 2] and matched[0] < matched[-1]  # long before the last chunk
     assert max(q for _, q in seen) > 0  # and the disk tier got them before the prompt finished
+    assert set(pool) == {1} and engine.waiting_requests == 0
     assert _matched(engine, lead) == len(lead) and result.cached_tokens == 0
     _idle_at_baseline(engine)
     again = engine.generate(Q, DOCS, GREEDY)
