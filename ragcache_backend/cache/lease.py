@@ -126,7 +126,11 @@ class Lease:
         sources: the variant nodes ``pieces`` copy from (locked until commit or finish).
         device_hits, host_hits: prefix nodes and variants found on device / swapped in from host.
         disk_hits: reused nodes read back from the disk tier (then swapped in; not in ``host_hits``).
-        committed: ``commit`` ran (the pieces are now tree nodes).
+        committed_pieces: how many leading pieces a commit has covered (a chunked prefill commits
+            the pieces its chunks completed, ``commit_prefix``): each is a tree node now, or could
+            not hang from the tree (another version of its path is cached), and so are all after
+            it. The others are not computed yet, or not committed.
+        committed: ``commit`` ran (every piece is covered; the prefill is complete).
         released: ``finish`` ran; the lease holds nothing any more.
     """
 
@@ -137,6 +141,7 @@ class Lease:
     device_hits: int = 0
     host_hits: int = 0
     disk_hits: int = 0
+    committed_pieces: int = 0
     committed: bool = False
     released: bool = False
 

@@ -16,11 +16,13 @@ A request uses three calls (the engine, the policy replay and the tests all go t
   computed becomes a tree node (its blocks change owner, no copy): exact while everything before
   it was exact, *approximate* (:func:`~ragcache_backend.cache.knowledge_tree.approximate_key`) from
   the first reused chunk on; Alg. 1 UPDATE_NODE updates the statistics; fresh documents become
-  chunk variants.
+  chunk variants. A prefill computed in chunks over several steps commits the segments each chunk
+  completed at once (:meth:`TieredCache.commit_prefix`), then the rest with :meth:`commit`.
 * :meth:`TieredCache.finish`: unlock, free what the request owns; always (success, error,
   cancellation), idempotent.
 
-Nothing is inserted before a prefill succeeded, so a failed request never leaves a poisoned node.
+Nothing is inserted before its KV is complete (a whole segment, computed by a forward step that
+succeeded), so a failed or cancelled request never leaves a poisoned or partial node.
 The lower-level calls they are made of (``match``, ``acquire``, ``allocate``, ``insert``,
 ``record_request``, ``release``, ``free``) stay public for tests and other drivers. Not
 thread-safe by design: callers serialize access (one scheduler thread).
@@ -231,17 +233,18 @@ class TieredCache:
                      disk_hits=acq.disk_hits + served.disk_hits)
 
     def commit(self, lease: Lease, rest_tokens: int, stats: Sequence[VariantStats | None] | None = None) -> None:
-        """After a successful prefill: every piece becomes a tree node (its blocks change owner, no
-        copy): exact while everything before it was exact, approximate from the first reused chunk
-        (or approximate prefix node) on. Every node on the path gets Alg. 1's statistics; fresh
-        documents become variants with their recorded statistics; reused variants gain
-        ``f_r += 1 / CFO``; the copy sources are unlocked.
+        """After a successful prefill: every piece not yet committed (:meth:`commit_prefix`) becomes
+        a tree node (its blocks change owner, no copy): exact while everything before it was exact,
+        approximate from the first reused chunk (or approximate prefix node) on. Every node on the
+        path not yet counted gets Alg. 1's statistics; fresh documents become variants with their
+        recorded statistics; reused variants gain ``f_r += 1 / CFO``; the copy sources are unlocked.
 
         Args:
             lease: from :meth:`admit`, not yet committed.
             rest_tokens: prompt tokens computed past the lead (eq. 3's beta counts them).
             stats: per piece, the attention statistics recorded while it was computed (None: not a
-                variant); None for none at all.
+                variant); None for none at all. Those of pieces :meth:`commit_prefix` covered are
+                not used (such pieces never become variants).
 
         Raises:
             InvalidRequestError: already committed or released, or ``stats`` of the wrong length.
@@ -251,18 +254,76 @@ class TieredCache:
         stats = [None] * len(lease.pieces) if stats is None else stats
         if len(stats) != len(lease.pieces):
             raise InvalidRequestError(f"{len(stats)} statistics for {len(lease.pieces)} pieces")
-        approx = any(n.approximate for n in lease.prefix)
-        parent = lease.prefix[-1] if lease.prefix else None
-        touched, computed = list(lease.prefix), [False] * len(lease.prefix)
-        added: list[tuple[Node, VariantInfo]] = []
-        inserting = True
-        for piece, st in zip(lease.pieces, stats):
-            if piece.use is not None:
-                approx = True
-                if piece.use.node.variant is not None:  # (its variant role may have been evicted meanwhile)
-                    piece.use.node.variant.reuse_score += 1.0 / max(piece.use.cfo, 1e-3)
-                touched.append(piece.use.node)
-                computed.append(False)
+        start = lease.committed_pieces
+        fresh = self._insert_pieces(lease, len(lease.pieces))
+        uses = [p.use for p in lease.pieces if p.use is not None]
+        for use in uses:
+            if use.node.variant is not None:  # (its variant role may have been evicted meanwhile)
+                use.node.variant.reuse_score += 1.0 / max(use.cfo, 1e-3)
+        added = [(piece.node, VariantInfo(st, piece.start, self._variants.fingerprint))
+                 for piece, st in zip(lease.pieces[start:], stats[start:])
+                 if st is not None and piece.node is not None and piece.use is None and piece.node.variant is None
+                 and piece.spec.chunk and piece.spec.key not in piece.context]  # a repeat in the prompt is no variant
+        sources, lease.sources = lease.sources, []
+        self.release(sources)
+        lease.committed = True
+        touched = list(lease.prefix) + [u.node for u in uses] + fresh
+        computed = [False] * (len(lease.prefix) + len(uses)) + [True] * len(fresh)
+        if touched:  # a request that does not use the cache leaves the statistics alone
+            self.record_request(touched, computed, lease.cached_tokens + lease.reused_tokens,
+                                self._computed_tokens(lease, rest_tokens))
+        for node, info in added:
+            self._variants.add(node, info)
+
+    def commit_prefix(self, lease: Lease, num_pieces: int, rest_tokens: int) -> list[Node]:
+        """A chunked prefill (vLLM's and SGLang's chunked prefill over RAGCache's tree, §5.1) has
+        computed its first ``num_pieces`` pieces whole: those not committed yet become tree nodes
+        now, as :meth:`commit` makes them, so other requests (and the disk tier) can use them
+        before this prefill ends; each gets Alg. 1's statistics (computed by this request) at once.
+        The prefix nodes are counted, the copy sources released and the lease marked committed
+        by :meth:`commit`, after the last chunk. A piece only part-computed is never inserted; if
+        the request ends before its last chunk, :meth:`finish` unlocks what was committed (exact
+        KV of the request's own prefix, which stays cached) and frees the rest.
+
+        Args:
+            lease: from :meth:`admit`, not committed, with no chunk variant in use (a prefill that
+                reuses variants is computed whole: its quality guard and recompute selection see
+                the whole prompt).
+            num_pieces: leading pieces whose KV is complete, ``0 <= num_pieces <= len(pieces)``.
+            rest_tokens: prompt tokens the prefill computes past the lead (eq. 3's beta).
+
+        Returns:
+            the nodes inserted by this call (held by the lease).
+
+        Raises:
+            InvalidRequestError: a committed or released lease, a lease with a chunk variant in
+                use, or ``num_pieces`` out of range.
+        """
+        if lease.committed or lease.released:
+            raise InvalidRequestError("a lease is committed once, before it is released")
+        if any(p.use is not None for p in lease.pieces):
+            raise InvalidRequestError("a prefill that reuses chunk variants is committed whole")
+        if not 0 <= num_pieces <= len(lease.pieces):
+            raise InvalidRequestError(f"{num_pieces} computed pieces of a lease of {len(lease.pieces)}")
+        fresh = self._insert_pieces(lease, num_pieces)
+        if fresh:
+            self.record_request(fresh, [True] * len(fresh), lease.cached_tokens, self._computed_tokens(lease, rest_tokens))
+        return fresh
+
+    def _insert_pieces(self, lease: Lease, upto: int) -> list[Node]:
+        """Insert ``lease.pieces[lease.committed_pieces:upto]`` under the lease's path (blocks change
+        owner) and advance ``committed_pieces``; returns the nodes inserted (locked for the lease).
+        A piece becomes approximate from the first reused chunk (or approximate prefix node) on;
+        from the first piece that cannot hang from the tree on, none is inserted."""
+        done = lease.pieces[:lease.committed_pieces]
+        approx = any(n.approximate for n in lease.prefix) or any(p.use is not None for p in done)
+        inserting = all(p.node is not None for p in done)
+        path = lease.path
+        parent = path[-1] if path else None
+        fresh: list[Node] = []
+        for i in range(lease.committed_pieces, upto):
+            piece = lease.pieces[i]
+            approx = approx or piece.use is not None
             key = approximate_key(piece.spec.key) if approx else piece.spec.key
             holder = self._tree.root if parent is None else parent
             twin = holder.children.get(key)
@@ -271,26 +332,21 @@ class TieredCache:
                 # other tokens (a hash collision): this request keeps its own KV (it decodes over
                 # what it prefilled), and nothing below can hang from the tree
                 inserting = False
-            if not inserting:
-                continue
-            node = self.insert(parent, key, piece.spec.num_tokens, piece.blocks, tokens=piece.spec.token_ids)
-            piece.node, piece.blocks, parent = node, list(node.device_blocks or ()), node  # the lease holds it now
-            node.approximate = approx
-            if not approx:
-                self._stack.after_insert(node, len(lease.prefix) + sum(p.node is not None for p in lease.pieces))
-            touched.append(node)
-            computed.append(True)
-            first = piece.spec.chunk and piece.spec.key not in piece.context  # a repeat in the prompt is no variant
-            if st is not None and first and piece.use is None and node.variant is None:
-                added.append((node, VariantInfo(st, piece.start, self._variants.fingerprint)))
-        sources, lease.sources = lease.sources, []
-        self.release(sources)
-        lease.committed = True
+            if inserting:
+                node = self.insert(parent, key, piece.spec.num_tokens, piece.blocks, tokens=piece.spec.token_ids)
+                piece.node, piece.blocks, parent = node, list(node.device_blocks or ()), node  # the lease holds it now
+                node.approximate = approx
+                if not approx:
+                    self._stack.after_insert(node, len(lease.prefix) + sum(p.node is not None for p in lease.pieces))
+                fresh.append(node)
+            lease.committed_pieces = i + 1
+        return fresh
+
+    @staticmethod
+    def _computed_tokens(lease: Lease, rest_tokens: int) -> int:
+        """Eq. 3's beta for the lease's request: the tokens its prefill computes (>= 1)."""
         beta = sum(p.spec.num_tokens if p.use is None else len(p.use.recompute) for p in lease.pieces) + rest_tokens
-        if touched:  # a request that does not use the cache leaves the statistics alone
-            self.record_request(touched, computed, lease.cached_tokens + lease.reused_tokens, max(beta, 1))
-        for node, info in added:
-            self._variants.add(node, info)
+        return max(beta, 1)
 
     def keep_tail(self, lease: Lease, blocks: Sequence[SegmentSpec], context_tokens: int,
                   repeat: SegmentSpec | None = None) -> int:

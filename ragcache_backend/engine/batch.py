@@ -15,6 +15,11 @@ the cache records:
    variant, over the prompt's context parts (:func:`context_parts`: the attention sink, each
    document, and windows of 16 tokens of any other text, eq. 3-4), and the KV deviation of the
    recomputed tokens when the quality guard is on;
+   A prefill with nothing reused (exact mode) may instead be computed in chunks over several
+   steps (vLLM's and SGLang's chunked prefill): :func:`prefill_chunk_input` gives chunk ``k``
+   with the prefix's runs and the earlier chunks' runs as cached context and its own as target,
+   and :func:`complete_pieces` says which lead segments the chunks computed so far completed
+   (committed at once, :meth:`TieredCache.commit_prefix`);
 3. :func:`decode_input`: one generated token over the whole context;
 4. when a request finishes: :func:`tail_block_specs` (the full blocks it computed past its lead,
    block nodes for the next turn of a chat);
@@ -33,13 +38,15 @@ from dataclasses import dataclass
 from ragcache_backend.cache.blocks import KVRun
 from ragcache_backend.cache.chunk_reuse import SINK_KEY, SINK_TOKENS, RecomputeRule, VariantStats, context_keys, stats_from_mass
 from ragcache_backend.cache.lease import ContextPart, Lease, SegmentSpec
+from ragcache_backend.errors import InvalidRequestError
 from ragcache_backend.model.arena import KVArena
 from ragcache_backend.model.chunk_rows import BlendSelection, FocusSelection
 from ragcache_backend.model.forward import MAX_STAT_SEGMENTS, ForwardInput, SegmentAttention
 from ragcache_backend.prompts.builder import PromptPlan, Segment, SegmentKind, split_blocks
 
-__all__ = ["ChunkLayout", "chunk_deviations", "context_parts", "copy_variants", "decode_input", "guard_flags", "lead_specs",
-           "prefill_input", "recomputed_tokens", "tail_block_specs", "variant_stats"]
+__all__ = ["ChunkLayout", "chunk_deviations", "complete_pieces", "context_parts", "copy_variants", "decode_input",
+           "guard_flags", "lead_specs", "prefill_chunk_input", "prefill_input", "prefill_tokens", "recomputed_tokens",
+           "tail_block_specs", "variant_stats"]
 
 _REST_KEY = "<rest>"
 TEXT_WINDOW = 16
@@ -159,6 +166,60 @@ def prefill_input(plan: PromptPlan, lease: Lease, *, rule: RecomputeRule, guard:
         item = ForwardInput(tuple(new_tokens), runs, (), positions=tuple(positions), stat_segments=stats,
                             guard=guarded, blend=blend, focus=focus)
     return item, ChunkLayout(tuple(rows), recorded, stat_keys, tuple(stat_lengths), skip, piece_segment)
+
+
+def prefill_tokens(plan: PromptPlan, lease: Lease) -> int:
+    """Tokens an exact prefill computes: every piece's (the lead past the reused prefix), then the
+    prompt's rest; >= 1 (the rest holds at least the prompt's last token)."""
+    return lease.pending_tokens + len(plan.rest)
+
+
+def prefill_chunk_input(plan: PromptPlan, lease: Lease, start: int, count: int) -> ForwardInput:
+    """Chunk ``[start, start + count)`` of an exact prefill's tokens (every piece's, then the rest;
+    vLLM's and SGLang's chunked prefill). Its cached context is the prefix's runs and the runs
+    the earlier chunks wrote, its target this chunk's runs: an ordinary prefill over that
+    context, which equals the unchunked one (the same causal attention over the same KV). With
+    ``start=0`` and every token it is the whole prefill.
+
+    Raises:
+        InvalidRequestError: a lease with a chunk variant in use (its prefill is computed whole,
+            :func:`prefill_input`), or a chunk outside the prefill's tokens.
+    """
+    if lease.chunk_hits:
+        raise InvalidRequestError("a prefill that reuses chunk variants is computed whole")
+    total = prefill_tokens(plan, lease)
+    if start < 0 or count < 1 or start + count > total:
+        raise InvalidRequestError(f"chunk [{start}, {start + count}) is outside a prefill of {total} tokens")
+    tokens: list[int] = []
+    for seg in plan.lead[len(lease.prefix):]:
+        tokens.extend(seg.token_ids)
+    tokens.extend(plan.rest)
+    runs = lease.piece_runs(len(plan.rest))
+    return ForwardInput(tuple(tokens[start:start + count]), lease.prefix_runs() + _slice_runs(runs, 0, start),
+                        _slice_runs(runs, start, start + count))
+
+
+def _slice_runs(runs: Sequence[KVRun], lo: int, hi: int) -> tuple[KVRun, ...]:
+    """Tokens ``[lo, hi)`` of the concatenation of ``runs``, as runs (empty ones left out)."""
+    out, offset = [], 0
+    for run in runs:
+        a, b = max(lo, offset), min(hi, offset + run.length)
+        if a < b:
+            out.append(KVRun(run.blocks, run.start + a - offset, b - a))
+        offset += run.length
+    return tuple(out)
+
+
+def complete_pieces(lease: Lease, computed: int) -> int:
+    """How many leading pieces an exact prefill's first ``computed`` tokens cover whole (the
+    pieces a chunked prefill may commit now)."""
+    done, end = 0, 0
+    for piece in lease.pieces:
+        end += piece.spec.num_tokens
+        if end > computed:
+            break
+        done += 1
+    return done
 
 
 def _statistics(plan: PromptPlan, lease: Lease, full: frozenset[int]):

@@ -6,21 +6,29 @@ Each :meth:`EngineCore.step`:
 
 1. takes new requests and cancellations;
 2. refreshes each waiting request's cached / to-compute estimate (knowledge-tree match) and asks
-   the :class:`~ragcache_backend.engine.scheduler.Scheduler` which requests run (cache-aware
-   reordering);
-3. **admits** the scheduled prefills through the cache's protocol (:meth:`TieredCache.admit`:
+   the :class:`~ragcache_backend.engine.scheduler.Scheduler` for the step: every running request
+   decodes one token, and prefills get chunks of the step's token budget (continuing prefills
+   first, then new admissions in cache-aware order; vLLM's and SGLang's chunked prefill);
+3. **admits** the newly scheduled prefills through the cache's protocol (:meth:`TieredCache.admit`:
    match, lock, swap in, choose chunk variants, allocate); "no room now" is a ``None`` the loop
-   waits on, "can never fit" fails the request at once;
-4. runs **one** forward step over every admitted prefill and every running decode (continuous
-   batching), the inputs built from each request's lease by :mod:`ragcache_backend.engine.batch`;
-5. **commits** each prefill (its segments become tree nodes, PGDSF statistics, chunk variants;
-   in the chunk modes a reused chunk the quality guard flags is first recomputed in full by a
-   second forward of that request), samples, streams text, and **finishes** requests that
-   stopped: their lease is released on success, error and cancellation alike.
+   waits on, "can never fit" fails the request at once. The lease holds the request's blocks
+   across the steps its prefill takes;
+4. runs **one** forward step over every prefill chunk and every running decode (continuous
+   batching), the inputs built from each request's lease by :mod:`ragcache_backend.engine.batch`
+   (chunk ``k`` of a prefill: the prefix and the earlier chunks as cached context);
+5. **commits** what each chunk completed: the segments (documents, block nodes) it computed whole
+   become tree nodes at once (:meth:`TieredCache.commit_prefix`); after a prefill's last chunk the
+   rest is committed (PGDSF statistics, chunk variants; in the chunk modes a reused chunk the
+   quality guard flags is first recomputed in full by a second forward of that request), the first
+   token is sampled, and then each step streams text; requests that stopped are **finished**: their
+   lease is released on success, error and cancellation alike.
 
-Nothing is inserted into the tree before its prefill succeeded, so a failed or cancelled request
-never leaves a poisoned entry. A request that fails before its first token with an error that is
-not its own fault runs once more, computing everything (RAGCache §6).
+Only exact-mode prefills are chunked (:attr:`Request.chunked_prefill`); the chunk modes compute
+theirs whole in one step. Nothing is inserted into the tree before its KV is complete (a whole
+segment computed by a forward step that succeeded), so a request that fails or is cancelled
+between chunks leaves only exact nodes of its own prefix, never a poisoned or partial one. A
+request that fails before its first token with an error that is not its own fault runs once more,
+computing everything (RAGCache §6).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import torch
 
 from ragcache_backend.engine import batch
 from ragcache_backend.engine.request import Request, RequestMetrics
+from ragcache_backend.engine.scheduler import PrefillChunk
 from ragcache_backend.engine.setup import EngineParts
 from ragcache_backend.errors import CacheBudgetError, InvalidRequestError, RAGCacheError, RequestCancelledError
 from ragcache_backend.model.forward import StepOutput
@@ -78,6 +87,24 @@ class EngineStats:
     retried: int = 0
 
 
+@dataclass(slots=True, frozen=True)
+class StepPrefill:
+    """One prefill's share of a forward step (a chunk of its prompt, or all of it).
+
+    Attributes:
+        request: the admitted request.
+        start: prompt tokens its prefill computed in earlier steps (this chunk's first token's
+            index among the tokens :func:`~ragcache_backend.engine.batch.prefill_tokens` counts).
+        tokens: prompt tokens computed in this step, >= 1.
+        last: this chunk completes the prefill (the step's logits give the first token).
+    """
+
+    request: Request
+    start: int
+    tokens: int
+    last: bool
+
+
 class EngineCore:
     """The step loop over an engine's parts; :class:`~ragcache_backend.engine.engine.RAGCacheEngine`
     adds the public entry points. The loop's thread starts with the first request."""
@@ -103,7 +130,7 @@ class EngineCore:
         self._thread_lock = threading.Lock()
         self._closing = False
         self._queued = 0  # requests in the inbox (cancellations and wake-ups are not counted)
-        self._waiting = 0  # requests waiting for admission, as of the loop's last look
+        self._waiting = 0  # requests whose prefill has not finished (queued or chunks left), as of the loop's last look
         self._queued_lock = threading.Lock()
 
     # ---- the loop thread -------------------------------------------------------------------------
@@ -182,7 +209,7 @@ class EngineCore:
                 with self._queued_lock:
                     self._queued -= 1
                 self._live[item.rid] = item
-                self.scheduler.add(item.rid, 0, item.prompt_tokens)
+                self.scheduler.add(item.rid, 0, item.prompt_tokens, chunkable=item.chunked_prefill)
                 self._waiting = self.scheduler.waiting
             elif isinstance(item, int):
                 req = self._live.get(item)
@@ -191,7 +218,7 @@ class EngineCore:
 
     # ---- one step --------------------------------------------------------------------------------
     def step(self) -> int:
-        """Run one forward step over the admitted prefills and running decodes.
+        """Run one forward step over the scheduled prefill chunks and running decodes.
 
         Returns:
             the number of sequences in the step (0 when nothing could run).
@@ -214,42 +241,54 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         plan_s = time.perf_counter() - t0
         decoders = [self._live[rid] for rid in scheduled.decode]
-        admitted: list[Request] = []
-        for rid in scheduled.prefill:
-            req = self._live[rid]
-            if self._admit(req):
-                admitted.append(req)
-            elif rid in self._live:  # no room now: waits for running requests' blocks
-                break
+        prefills = self._prefills(scheduled.prefill)
         self._waiting = self.scheduler.waiting
-        share = plan_s / max(1, len(admitted) + len(decoders))
-        for req in admitted + decoders:
+        stepping = [p.request for p in prefills] + decoders
+        share = plan_s / max(1, len(stepping))
+        for req in stepping:
             req.handle.metrics.sched_s += share
         self.stats.sched_s += time.perf_counter() - t0
-        if not admitted and not decoders:
+        if not stepping:
             self._unblock()
             return 0
         t1 = time.perf_counter()
         try:
-            inputs = [self._prefill_input(r) for r in admitted]
+            inputs = [self._prefill_input(p) for p in prefills]
             inputs += [batch.decode_input(r.lease, r.next_token, r.rest_tokens + len(r.generated) - 1) for r in decoders]
             out = self.runner.forward_step(inputs)
         except Exception as exc:
-            log.warning("forward step of %d sequences failed: %r", len(admitted) + len(decoders), exc)
-            for req in admitted + decoders:
+            log.warning("forward step of %d sequences failed: %r", len(stepping), exc)
+            for req in stepping:
                 self._fail(req, exc)
             return 0
         self.stats.forward_s += time.perf_counter() - t1
         self.stats.steps += 1
-        for i, req in enumerate(admitted):
-            req.handle.metrics.batch_sizes.append(len(inputs))
-            self._after_prefill(req, out, i)
-        for req, lg in zip(decoders, out.logits[len(admitted):]):
+        for i, p in enumerate(prefills):
+            p.request.handle.metrics.batch_sizes.append(len(inputs))
+            self._after_chunk(p, out, i)
+        self._waiting = self.scheduler.waiting
+        for req, lg in zip(decoders, out.logits[len(prefills):]):
             if req.rid in self._live:
                 req.handle.metrics.batch_sizes.append(len(inputs))
                 self._after_token(req, lg)
         self._persist()
         return len(inputs)
+
+    def _prefills(self, chunks: Sequence[PrefillChunk]) -> list[StepPrefill]:
+        """The step's prefill chunks: new requests admitted (in the scheduler's order, stopping at
+        the first that gets no room now), each sized to what its prompt still needs (a prefill
+        that cannot be chunked computes all of it)."""
+        out: list[StepPrefill] = []
+        for chunk in chunks:
+            req = self._live[chunk.rid]
+            if chunk.new and not self._admit(req):
+                if req.rid in self._live:
+                    break  # no room now: waits for running requests' blocks
+                continue  # failed (it can never fit)
+            left = batch.prefill_tokens(req.plan, req.lease) - req.prefilled
+            n = min(chunk.tokens, left) if req.chunked_prefill else left
+            out.append(StepPrefill(req, req.prefilled, n, n == left))
+        return out
 
     def _persist(self) -> None:
         """Hand the nodes this step inserted to the disk tier (after the step's tokens went out)."""
@@ -303,7 +342,7 @@ class EngineCore:
             return False
         req.lease = lease
         m.admitted = time.perf_counter()
-        self.scheduler.start(req.rid)
+        self.scheduler.start(req.rid, batch.prefill_tokens(req.plan, lease))
         return True
 
     def _charge(self, m: RequestMetrics, t0: float, c0: float) -> None:
@@ -311,13 +350,45 @@ class EngineCore:
         m.kv_copy_s += copy
         m.sched_s += time.perf_counter() - t0 - copy
 
-    def _prefill_input(self, req: Request):
+    def _prefill_input(self, p: StepPrefill):
+        req = p.request
+        if req.chunked_prefill:
+            req.layout = None  # nothing reused: no chunk rows to map back
+            return batch.prefill_chunk_input(req.plan, req.lease, p.start, p.tokens)
         if req.lease.chunk_hits:
             t0 = time.perf_counter()
             batch.copy_variants(req.lease, self.runner.arena)
             req.handle.metrics.kv_copy_s += time.perf_counter() - t0
         item, req.layout = batch.prefill_input(req.plan, req.lease, rule=req.recompute)
         return item
+
+    def _after_chunk(self, p: StepPrefill, out: StepOutput, index: int) -> None:
+        """After a prefill's chunk: its progress, then the first token after the last chunk, or
+        the segments this chunk completed into the tree."""
+        req = p.request
+        req.prefilled += p.tokens
+        self.scheduler.advance(req.rid, p.tokens)
+        req.handle.metrics.computed_tokens = req.prefilled  # work done so far (a cancelled request's waste)
+        if p.last:
+            self._after_prefill(req, out, index)
+        else:
+            self._commit_chunk(req)
+
+    def _commit_chunk(self, req: Request) -> None:
+        """Commit the lead segments the chunks so far completed, so other requests (and the disk
+        tier) reuse them before this prefill ends; a failure fails the request (retried if it may)."""
+        lease = req.lease
+        done = batch.complete_pieces(lease, req.prefilled)
+        if not req.store or done <= lease.committed_pieces:
+            return
+        m = req.handle.metrics
+        t0, c0 = time.perf_counter(), self.cache.stats.copy_s
+        try:
+            self.cache.commit_prefix(lease, done, req.rest_tokens)
+        except Exception as exc:
+            self._fail(req, exc)
+        finally:
+            self._charge(m, t0, c0)
 
     def _after_prefill(self, req: Request, out: StepOutput, index: int) -> None:
         m = req.handle.metrics
@@ -337,8 +408,16 @@ class EngineCore:
         """Guard, statistics and commit of a prefill; returns the first token's logits.
 
         In the chunk modes a reused chunk whose recomputed tokens moved too far (the quality guard)
-        is recomputed in full, with everything after it, in a second forward of this request alone."""
+        is recomputed in full, with everything after it, in a second forward of this request alone.
+        An exact prefill (``layout`` None; maybe chunked) reused nothing but its prefix: no guard,
+        no variant, and the segments earlier chunks completed are in the tree already."""
         lease, layout = req.lease, req.layout
+        if layout is None:
+            req.computed = req.prompt_tokens - lease.cached_tokens
+            req.handle.metrics.computed_tokens = req.computed
+            if req.store:
+                self.cache.commit(lease, req.rest_tokens)
+            return out.logits[index]
         logits, attention, depth = out.logits[index], out.attention[index], out.depth[index]
         deviations = batch.chunk_deviations(lease, layout, out.deviation[index])
         req.deviation = max(deviations.values(), default=0.0)
@@ -430,7 +509,7 @@ class EngineCore:
             if req.lease is not None:
                 self.cache.finish(req.lease)
         finally:
-            req.lease, req.layout = None, None
+            req.lease, req.layout, req.prefilled = None, None, 0
         req.retried = True
         req.plan = self.prompt_plan(req.segments, use_cache=False)
         req.reuse = "exact"
@@ -438,7 +517,7 @@ class EngineCore:
         req.deviation = 0.0
         self.stats.retried += 1
         self.scheduler.remove(req.rid)
-        self.scheduler.add(req.rid, 0, req.prompt_tokens)
+        self.scheduler.add(req.rid, 0, req.prompt_tokens, chunkable=req.chunked_prefill)
 
     def _fail(self, req: Request, exc: BaseException) -> None:
         if req.rid in self._live and self._may_retry(req, exc):
@@ -467,12 +546,17 @@ class EngineCore:
         return plan_prompt(segments, whole_prompt=self.config.whole_prompt_reuse, block_tokens=self.block_tokens)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
-        """Block until no request is in flight; False if ``timeout`` seconds passed first."""
+        """Block until no request is in flight and the step that finished the last one has ended
+        (a request's result is set inside its last step, before the step hands the nodes it
+        inserted to the disk and remote tiers); False if ``timeout`` seconds passed first."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.in_flight:
             if deadline is not None and time.monotonic() > deadline:
                 return False
             time.sleep(0.005)
+        if not self._step_lock.acquire(timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())):
+            return False
+        self._step_lock.release()
         return True
 
     def live_request_ids(self) -> tuple[int, ...]:
@@ -481,7 +565,9 @@ class EngineCore:
 
     @property
     def waiting_requests(self) -> int:
-        """Requests submitted and not yet admitted for prefill (the pool of RAGCache Algorithm 2)."""
+        """Requests submitted whose prefill has not finished: queued, waiting for admission, or
+        admitted with prompt chunks left to compute (the pool of RAGCache Algorithm 2: they all
+        still compete for prefill compute)."""
         return self._waiting + self._queued
 
     @property

@@ -9,7 +9,9 @@ caller's thread while the engine's step loop runs:
 * after each stage whose candidates differ from the previous stage's, the stale speculative
   generation (if any) is terminated after its current step (its blocks are freed), and a new
   speculative generation for the new candidates is started only while fewer than
-  ``max_prefill_bs`` requests wait for prefill (:func:`~ragcache_backend.engine.scheduler.decide_speculation`);
+  ``max_prefill_bs`` requests wait for prefill (:func:`~ragcache_backend.engine.scheduler.decide_speculation`;
+  a request waits for prefill until its prefill has finished: queued, or admitted with prompt chunks
+  left under chunked prefill, since it still competes for prefill compute);
 * when the search ends, the speculative generation is kept if its documents are the final ones;
   otherwise it is terminated and the answer is generated for the final documents.
 
@@ -253,10 +255,11 @@ class SpeculativePipeline(Generic[D]):
                 final = tuple(docs)
                 ids = tuple(self.key(d) for d in final)
                 current = self._current
-                # this request's own generations that wait (the current one, terminated ones whose
-                # cancellation the loop has not taken yet) are not load
+                # this request's own generations that wait for prefill (the current one, terminated
+                # ones whose cancellation the loop has not taken yet; queued or with prompt chunks
+                # left, as the engine counts them) are not load
                 own = [g for g in ([current] if current else []) + self._terminated
-                       if g.handle.metrics.admitted == 0.0 and not g.handle.done()]
+                       if g.handle.metrics.first_token == 0.0 and not g.handle.done()]
                 waiting = self.engine.waiting_requests - len(own)
                 decision = decide_speculation(changed=ids != previous, speculating=current is not None,
                                               waiting=max(0, waiting), max_prefill_bs=self.max_prefill_bs)

@@ -199,6 +199,8 @@ class Request:
         recompute: which tokens of a reused chunk are recomputed (chunk modes).
         store: keep what it computes in the cache (False: an evaluation's dry run; chunk modes).
         lease: the request's hold on the cache from admission to finish.
+        prefilled: prompt tokens its prefill has computed so far (a chunked prefill computes them
+            over several steps; see :attr:`chunked_prefill`).
         generated: sampled token ids so far (stop token excluded).
         next_token: the last sampled token, fed to the next decode step.
         computed: prompt tokens this request prefilled (recomputed ones included).
@@ -229,6 +231,7 @@ class Request:
     recompute: RecomputeRule | None = None
     store: bool = True
     lease: Lease | None = None
+    prefilled: int = 0
     generated: list[int] = field(default_factory=list)
     next_token: int | None = None
     computed: int = 0
@@ -245,6 +248,14 @@ class Request:
     @property
     def prompt_tokens(self) -> int:
         return sum(len(s) for s in self.segments)
+
+    @property
+    def chunked_prefill(self) -> bool:
+        """Its prefill may be split over several steps (vLLM's and SGLang's chunked prefill): an
+        exact request. The chunk modes compute theirs whole, in one forward: their variant
+        statistics, quality guard (and its second pass) and recompute selection (CacheBlend-style,
+        Algorithm 1) are measured over the whole prompt."""
+        return self.reuse == "exact"
 
     @property
     def rest_tokens(self) -> int:

@@ -441,3 +441,78 @@ def test_a_failed_swap_out_keeps_the_victim_a_candidate() -> None:
     assert a.tiers == (HOST,)
     cache.free(blocks)
     cache.check_invariants()
+
+
+# ---- chunked prefill: commit_prefix then commit ---------------------------------------------------
+def test_commit_prefix_inserts_whole_pieces_at_once_then_commit_the_rest():
+    cache, _ = make(num_blocks=20, host_bytes=0)
+    lease = cache.admit(_specs(("S", 10), ("A", 25), ("B", 15)), tail_tokens=12)
+    assert cache.commit_prefix(lease, 0, rest_tokens=8) == []  # the first chunk completed nothing
+    cache.check_invariants()
+    fresh = cache.commit_prefix(lease, 2, rest_tokens=8)  # S and A computed whole; B only in part
+    assert [n.key for n in fresh] == [K("S"), K("A")] and lease.committed_pieces == 2 and not lease.committed
+    assert [n.key for n in cache.tree] == [K("S"), K("A")] and cache.locked_nodes == 2
+    assert all(n.frequency == 1 and n.num_computed == 1 for n in fresh)  # Alg. 1 counted them at once
+    cache.check_invariants()
+    # another request reuses them while this prefill goes on
+    other = cache.admit(_specs(("S", 10), ("A", 25), ("C", 5)), tail_tokens=3)
+    assert other.reused == 2 and other.cached_tokens == 35
+    assert cache.commit_prefix(lease, 2, rest_tokens=8) == []  # nothing new: idempotent
+    cache.commit(lease, rest_tokens=8)  # the last chunk: B, and the lease is committed
+    assert [n.key for n in lease.path] == [K("S"), K("A"), K("B")] and lease.committed
+    assert [n.frequency for n in lease.path] == [1, 1, 1]  # each node counted once for this request
+    with pytest.raises(InvalidRequestError):
+        cache.commit_prefix(lease, 3, rest_tokens=8)  # committed: nothing more
+    cache.finish(lease)
+    cache.finish(other)
+    assert cache.locked_nodes == 0 and cache.request_blocks == 0
+    cache.check_invariants()
+
+
+def test_a_lease_released_between_chunks_keeps_only_its_whole_committed_pieces():
+    cache, _ = make(num_blocks=20, host_bytes=0)
+    lease = cache.admit(_specs(("S", 10), ("A", 25), ("B", 15)), tail_tokens=12)
+    cache.commit_prefix(lease, 1, rest_tokens=8)
+    cache.finish(lease)  # cancelled (or failed) before its last chunk
+    assert [n.key for n in cache.tree] == [K("S")] and cache.tree.root.children[K("S")].num_tokens == 10
+    assert cache.locked_nodes == 0 and cache.request_blocks == 0 and cache.device_used_blocks == 1
+    with pytest.raises(InvalidRequestError):
+        cache.commit_prefix(lease, 2, rest_tokens=8)  # released
+    again = cache.admit(_specs(("S", 10), ("A", 25)), tail_tokens=3)
+    assert again.reused == 1 and again.cached_tokens == 10
+    cache.finish(again)
+    cache.check_invariants()
+
+
+def test_commit_prefix_stops_at_a_piece_that_cannot_hang_from_the_tree():
+    from ragcache_backend.cache.lease import SegmentSpec
+
+    cache, _ = make(num_blocks=20, host_bytes=0)
+    first = cache.admit([SegmentSpec(K("S"), 2, token_ids=(1, 2))], tail_tokens=1)
+    cache.commit(first, rest_tokens=1)
+    cache.finish(first)
+    # a collision: key S again but other tokens; nothing of this request hangs from the tree
+    lease = cache.admit([SegmentSpec(K("S"), 2, token_ids=(3, 4)), SegmentSpec(K("T"), 3, token_ids=(5, 6, 7))],
+                        tail_tokens=2)
+    assert lease.reused == 0
+    assert cache.commit_prefix(lease, 1, rest_tokens=1) == [] and lease.committed_pieces == 1
+    cache.commit(lease, rest_tokens=1)
+    assert lease.path == [] and [n.key for n in cache.tree] == [K("S")]
+    cache.check_invariants()
+    cache.finish(lease)
+    assert cache.request_blocks == 0 and cache.locked_nodes == 0
+    cache.check_invariants()
+
+
+def test_commit_prefix_refuses_bad_counts_and_variant_leases():
+    cache, _ = make(num_blocks=20, host_bytes=0)
+    lease = cache.admit(_specs(("S", 10), ("A", 25)), tail_tokens=2)
+    for bad in (-1, 3):
+        with pytest.raises(InvalidRequestError):
+            cache.commit_prefix(lease, bad, rest_tokens=1)
+    lease.pieces[1].use = object()  # stands for a chunk variant in use (only its presence is read)
+    with pytest.raises(InvalidRequestError, match="committed whole"):
+        cache.commit_prefix(lease, 1, rest_tokens=1)
+    lease.pieces[1].use = None
+    cache.finish(lease)
+    cache.check_invariants()

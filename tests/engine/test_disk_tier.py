@@ -41,7 +41,9 @@ def path_nodes(engine, question, docs) -> int:
 
 
 def written(engine) -> None:
-    """Wait for the writer: what a finished request inserted is on disk."""
+    """Wait for the writer: what a finished request inserted is on disk (its last step hands the
+    nodes to the writer after the result is set: wait for that step first)."""
+    assert engine.wait_idle(30)
     assert engine.cache.disk.flush(30)
 
 

@@ -21,6 +21,9 @@ def replica(tiny_model, fixed_profile, url: str, **kw):
 
 
 def sent(engine) -> None:
+    """Wait until what a finished request inserted is in Redis (its last step queues the nodes
+    after the result is set: wait for that step first)."""
+    assert engine.wait_idle(30)
     assert engine.cache.remote.flush(30)
 
 
