@@ -40,6 +40,7 @@ from ragcache_backend.model.forward import StepRows
 from ragcache_backend.model.kernels import (AttentionPlan, apply_rope, attention, attention_over_prefix, attention_plan, native,
                                             rope_cos_sin)
 from ragcache_backend.model.kernels.linear import Linear, pack_linear
+from ragcache_backend.model.kernels.memory import huge_page_empty, to_huge_pages
 from ragcache_backend.model.loader import LoadedModel
 
 __all__ = ["PagedLlama"]
@@ -82,7 +83,11 @@ class _LayerWeights:
 def _fuse(linears: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Concatenate the weights (and biases) of ``linears`` along their output dimension and make
     each module's parameters views of the result."""
-    weight = torch.cat([m.weight.detach() for m in linears])
+    parts = [m.weight.detach() for m in linears]
+    shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+    # on the CPU in huge pages: the rows kernel streams these weights every decode step
+    weight = huge_page_empty(shape, parts[0].dtype) if parts[0].device.type == "cpu" else parts[0].new_empty(shape)
+    torch.cat(parts, out=weight)
     bias = None
     if any(m.bias is not None for m in linears):
         bias = torch.cat([m.bias.detach() if m.bias is not None else weight.new_zeros(m.out_features) for m in linears])
@@ -94,6 +99,11 @@ def _fuse(linears: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tenso
             m.bias = torch.nn.Parameter(bias[row : row + rows], requires_grad=False)
         row += rows
     return weight, bias
+
+
+def _rehome(module: torch.nn.Module) -> None:
+    """Move a module's weight into huge-page memory on the CPU (:mod:`~ragcache_backend.model.kernels.memory`)."""
+    module.weight = torch.nn.Parameter(to_huge_pages(module.weight.detach()), requires_grad=False)
 
 
 def _norm_weights(norm: torch.nn.Module, offset: bool) -> tuple[torch.Tensor, float]:
@@ -114,6 +124,8 @@ def _fuse_layer(layer: torch.nn.Module, spec: ArchSpec, idx: int) -> _LayerWeigh
     offset, family = spec.family.norm_offset, spec.family
     qkv, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
     gate_up, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
+    _rehome(attn.o_proj)
+    _rehome(mlp.down_proj)
     if gate_up_bias is not None:
         raise InvalidRequestError("MLP biases are not supported by the runner")
     input_norm, input_eps = _norm_weights(layer.input_layernorm, offset)
@@ -165,6 +177,10 @@ class PagedLlama:
         layers = list(inner.layers)
         self._norm = inner.norm
         head = loaded.model.lm_head
+        tied = head.weight is self._embed.weight
+        head.weight = torch.nn.Parameter(to_huge_pages(head.weight.detach()), requires_grad=False)
+        if tied:  # the embedding is the LM head's matrix: one copy, still shared
+            self._embed.weight = head.weight
         self._lm_head = pack_linear(head.weight, head.bias, per_step=False)  # rows picked out of the step
         self.num_layers = len(layers)
         self.num_heads = cfg.num_attention_heads
@@ -195,6 +211,8 @@ class PagedLlama:
             log.info("forward path: torch (%s)", gaps or why_not)
         #: layers whose attention statistics are recorded (``stat_segments``); all by default
         self.stat_layers: frozenset[int] = frozenset(range(self.num_layers))
+        #: float32 decode-only steps run every layer in one native call (None: not available)
+        self._decode_plan = self._build_decode_plan()
 
     def _gate_native(self) -> str:
         """Turn off the native kernels where this architecture needs what they do not implement
@@ -263,6 +281,8 @@ class PagedLlama:
             fused path (:attr:`native_fused`), else not (:meth:`logits` norms them).
         """
         if self.native_fused:
+            if self._decode_plan is not None and self._whole_step_decodes(st):
+                return self._decode_step_native(h, st, arena)
             return self._layers_fused(h, st, arena)
         for layer_idx in range(self.num_layers):
             h = self._layer(layer_idx, h, st, arena)
@@ -321,6 +341,35 @@ class PagedLlama:
             slots = slots[plan.skip:]
             k, v = torch.cat((kc.index_select(0, slots), k)), torch.cat((vc.index_select(0, slots), v))
         return attention_over_prefix(q, k, v, scale=self._scale, plan=plan)
+
+    def _build_decode_plan(self) -> native.DecodePlan | None:
+        """The layers as one native float32 decode step reads them (None: not float32 fused)."""
+        if not self.native_fused or self.dtype != torch.float32:
+            return None
+        ws = self._weights
+        nexts = [(ws[i + 1].input_norm, ws[i + 1].input_eps) for i in range(len(ws) - 1)] + [self._final_norm]
+        return native.decode_plan([
+            native.DecodeLayer(w.qkv.weight, w.qkv.bias, w.o_proj.weight, w.o_proj.bias, w.gate_up.weight, w.down_proj.weight,
+                               w.down_proj.bias, w.post_norm, w.post_eps, nxt[0], nxt[1])
+            for w, nxt in zip(ws, nexts)])
+
+    @staticmethod
+    def _whole_step_decodes(st: StepRows) -> bool:
+        """The step is generated tokens only, few enough for the weight-streaming kernels, with no
+        chunk-cache rows: one native call can run all of it."""
+        return (not st.chunks and st.native_batch is not None and st.native_rows is None and all(st.decode)
+                and 0 < len(st.decode) <= native.LINEAR_ROWS_MAX)
+
+    def _decode_step_native(self, h: torch.Tensor, st: StepRows, arena: KVArena) -> torch.Tensor:
+        """Every decoder layer of a decode-only float32 step in one native call
+        (:func:`~ragcache_backend.model.kernels.native.decode_step`: the per-operation kernels'
+        arithmetic, without their dispatch). Returns the final-normed hidden states ``[M, hidden]``."""
+        cos, sin = self._rope_tables(st, torch.float32)
+        h = h.contiguous()
+        x = native.add_rms_norm(h, None, self._weights[0].input_norm, self._weights[0].input_eps)
+        native.decode_step(self._decode_plan, h, x, self.num_heads, self.num_kv_heads, cos, sin, arena.k_cache,
+                           arena.v_cache, st.write, st.native_batch, self._scale)
+        return x
 
     def _layers_fused(self, h: torch.Tensor, st: StepRows, arena: KVArena) -> torch.Tensor:
         """Every decoder layer with the native kernels (float32 or bf16); ``h`` (the residual stream) is

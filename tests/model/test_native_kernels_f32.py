@@ -219,6 +219,36 @@ def test_runner_native_path_matches_transformers_across_the_cache(tiny_llama):
         assert (got - ref[-1]).abs().max().item() < 1e-4
 
 
+def test_a_decode_step_in_one_native_call_equals_the_per_operation_kernels(tiny_llama):
+    """Decode-only steps run every layer in one call (rc32_decode_step): the same bits as the
+    per-operation kernels, logits and KV written, for one and several sequences of any length."""
+    from ragcache_backend.model.runner import ForwardInput, KVRun, ModelRunner
+
+    whole = ModelRunner(copy.deepcopy(tiny_llama), num_device_blocks=240, block_size=16)
+    per_op = ModelRunner(copy.deepcopy(tiny_llama), num_device_blocks=240, block_size=16)
+    assert whole.layers._decode_plan is not None
+    per_op.layers._decode_plan = None
+    g = torch.Generator().manual_seed(12)
+    lengths = (5, 600, 1100)  # one over two decode chunks of 512 keys
+    seqs = [tuple(torch.randint(0, 512, (n,), generator=g).tolist()) for n in lengths]
+    blocks = [tuple(range(i * 80, i * 80 + 80)) for i in range(len(seqs))]
+    for runner in (whole, per_op):
+        for toks, b in zip(seqs, blocks):
+            runner.forward([ForwardInput(toks, (), (KVRun(b, 0, len(toks)),))])
+    for batch in ([0], [0, 1, 2], [2, 1]):
+        nxt = {i: int(torch.randint(0, 512, (1,), generator=g)) for i in batch}
+        outs = []
+        for runner in (whole, per_op):
+            items = [ForwardInput((nxt[i],), (KVRun(blocks[i], 0, len(seqs[i])),), (KVRun(blocks[i], len(seqs[i]), 1),),
+                                  decode=True) for i in batch]
+            outs.append(runner.forward(items))
+        for a, b in zip(*outs):
+            assert torch.equal(a, b)
+        for i in batch:
+            seqs[i] += (nxt[i],)
+    assert torch.equal(whole.arena.k_cache, per_op.arena.k_cache) and torch.equal(whole.arena.v_cache, per_op.arena.v_cache)
+
+
 def test_the_torch_path_is_kept_when_the_kernels_are_off(tiny_llama, monkeypatch):
     from ragcache_backend.model.runner import ModelRunner
 

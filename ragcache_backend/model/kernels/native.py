@@ -99,6 +99,9 @@ def _build() -> ctypes.CDLL | None:
         silu.argtypes = [ptr, i64, i64, ptr, nt]
     lib.rc32_linear_rows.restype = None
     lib.rc32_linear_rows.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, nt]
+    lib.rc32_decode_step.restype = ctypes.c_int
+    lib.rc32_decode_step.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr,
+                                     ptr, f32, nt]
     if lib.rc_supported():
         _KERNEL_DTYPES[torch.bfloat16] = "AVX512-BF16"
     if lib.rc32_supported():
@@ -391,3 +394,113 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     _library().rc32_linear_rows(x.data_ptr(), m, k, weight.data_ptr(), None if bias is None else bias.data_ptr(),
                                 weight.shape[0], out.data_ptr(), torch.get_num_threads())
     return out
+
+
+class _LayerStruct(ctypes.Structure):
+    """``rc32_layer_t`` of ``csrc/kernels_f32.c``: one decoder layer's weights for :func:`decode_step`."""
+
+    _fields_ = [("qkv_w", ctypes.c_void_p), ("qkv_b", ctypes.c_void_p), ("o_w", ctypes.c_void_p),
+                ("o_b", ctypes.c_void_p), ("gu_w", ctypes.c_void_p), ("down_w", ctypes.c_void_p),
+                ("down_b", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("next_norm", ctypes.c_void_p),
+                ("post_eps", ctypes.c_float), ("next_eps", ctypes.c_float)]
+
+
+@dataclass(slots=True, frozen=True)
+class DecodeLayer:
+    """One decoder layer as :func:`decode_plan` takes it (float32, contiguous, on the CPU).
+
+    Attributes:
+        qkv: ``[(Hq + 2 Hkv) D, H]`` fused Q/K/V weight; qkv_bias: its ``[(Hq + 2 Hkv) D]`` bias or None.
+        o: ``[H, Hq D]``; o_bias: ``[H]`` or None.
+        gate_up: ``[2 I, H]`` (gate rows, then up rows).
+        down: ``[H, I]``; down_bias: ``[H]`` or None.
+        post_norm, post_eps: the post-attention RMSNorm.
+        next_norm, next_eps: the next layer's input RMSNorm (the final norm after the last layer).
+    """
+
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    post_eps: float
+    next_norm: torch.Tensor
+    next_eps: float
+
+
+@dataclass(slots=True, frozen=True)
+class DecodePlan:
+    """The layers of a model as :func:`decode_step` reads them, built once (:func:`decode_plan`).
+
+    Attributes:
+        layers: the ``rc32_layer_t`` array; keep: the tensors its pointers point into.
+        hidden, intermediate: ``H`` and ``I``.
+    """
+
+    layers: ctypes.Array
+    keep: tuple
+    hidden: int
+    intermediate: int
+
+
+def decode_plan(layers: list[DecodeLayer]) -> DecodePlan | None:
+    """The float32 decode-step plan of ``layers``, or None where :func:`decode_step` cannot run them
+    (no float32 kernels, a tensor that is not a contiguous float32 CPU tensor, sizes that are not
+    multiples of 8)."""
+    if not layers or _kernel(torch.float32, "paged_attention") is None:
+        return None
+    tensors = [t for lay in layers for t in (lay.qkv, lay.qkv_bias, lay.o, lay.o_bias, lay.gate_up, lay.down, lay.down_bias,
+                                             lay.post_norm, lay.next_norm) if t is not None]
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+        return None
+    hidden, intermediate = layers[0].qkv.shape[1], layers[0].down.shape[1]
+    if hidden % 8 or intermediate % 8:
+        return None
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    array = (_LayerStruct * len(layers))(*[
+        _LayerStruct(ptr(lay.qkv), ptr(lay.qkv_bias), ptr(lay.o), ptr(lay.o_bias), ptr(lay.gate_up), ptr(lay.down),
+                     ptr(lay.down_bias), ptr(lay.post_norm), ptr(lay.next_norm), lay.post_eps, lay.next_eps)
+        for lay in layers])
+    return DecodePlan(array, tuple(tensors), hidden, intermediate)
+
+
+def decode_step(plan: DecodePlan, h: torch.Tensor, x: torch.Tensor, num_heads: int, num_kv_heads: int,
+                cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, write: torch.Tensor,
+                batch: AttentionBatch, scale: float) -> None:
+    """Every decoder layer of a step whose rows are all generated tokens (at most
+    :data:`LINEAR_ROWS_MAX`), in one native call: the same arithmetic, bit for bit, as the
+    per-operation kernels (:func:`linear_rows`, :func:`rope_write`, :func:`paged_attention`,
+    :func:`add_rms_norm`, :func:`silu_mul`), without their per-call dispatch.
+
+    Args:
+        plan: the model's layers (:func:`decode_plan`).
+        h: ``[M, H]`` float32 residual stream (the embeddings), contiguous; updated in place.
+        x: ``[M, H]`` float32, contiguous: layer 0's input-normed rows in, the final-normed rows out.
+        cos, sin: ``[M, D]`` float32 RoPE tables of the rows' positions.
+        k_cache, v_cache: the whole arena, ``[layers, slots, Hkv, D]`` float32, contiguous.
+        write: ``[M]`` int64 slot of each row's new K/V.
+        batch: the rows' contexts (:func:`attention_batch`, every row a decode row).
+        scale: softmax scale.
+
+    Raises:
+        NativeKernelError: the kernel is unavailable or the arguments do not fit it.
+    """
+    m, hidden = h.shape
+    d = k_cache.shape[-1]
+    _check(_kernel(torch.float32, "paged_attention") is not None and 1 <= m <= LINEAR_ROWS_MAX and hidden == plan.hidden
+           and h.is_contiguous() and x.shape == h.shape and x.is_contiguous() and h.dtype == x.dtype == torch.float32
+           and k_cache.is_contiguous() and v_cache.shape == k_cache.shape and v_cache.is_contiguous()
+           and k_cache.dtype == torch.float32 and k_cache.shape[0] == len(plan.layers) and k_cache.shape[2] == num_kv_heads
+           and cos.shape == (m, d) and sin.shape == (m, d) and cos.is_contiguous() and sin.is_contiguous()
+           and write.shape == (m,) and write.dtype == torch.int64 and write.is_contiguous()
+           and batch.num_rows == m and len(batch.decode) == m and bool(batch.decode.all()),
+           f"decode_step: bad arguments h={tuple(h.shape)} kv={tuple(k_cache.shape)} rows={batch.num_rows}")
+    rc = _library().rc32_decode_step(
+        ctypes.addressof(plan.layers), len(plan.layers), h.data_ptr(), x.data_ptr(), m, hidden, num_heads, num_kv_heads, d,
+        plan.intermediate, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
+        write.data_ptr(), batch.slots.data_ptr(), batch.ctx_off.data_ptr(), scale, torch.get_num_threads())
+    if rc != 0:
+        raise NativeKernelError(f"decode_step failed with code {rc} (1: arguments, 2: memory)")

@@ -445,64 +445,72 @@ TGT int rc32_paged_attention(const float *q, int64_t q_row, const float *kc, con
 
 /* ---- fused row-wise steps -------------------------------------------------------------------- */
 
+/* Row n of rc32_rope_write. */
+TGT static void rope_write_row(float *x, int64_t Hq, int64_t Hkv, int64_t D, const float *c, const float *s, float *kd,
+                               float *vd) {
+    const int64_t half = D / 2;
+    for (int64_t h = 0; h < Hq + Hkv; h++) {
+        float *xh = x + h * D;
+        for (int64_t d = 0; d < half; d += 8) {
+            __m256 a = _mm256_loadu_ps(xh + d), b = _mm256_loadu_ps(xh + half + d);
+            /* out[:half] = a cos - b sin; out[half:] = b cos + a sin (x cos + rotate_half(x) sin) */
+            __m256 lo = _mm256_fmsub_ps(a, _mm256_loadu_ps(c + d), _mm256_mul_ps(b, _mm256_loadu_ps(s + d)));
+            __m256 hi = _mm256_fmadd_ps(b, _mm256_loadu_ps(c + half + d), _mm256_mul_ps(a, _mm256_loadu_ps(s + half + d)));
+            _mm256_storeu_ps(xh + d, lo);
+            _mm256_storeu_ps(xh + half + d, hi);
+        }
+    }
+    memcpy(kd, x + Hq * D, sizeof(float) * (size_t)(Hkv * D));
+    memcpy(vd, x + (Hq + Hkv) * D, sizeof(float) * (size_t)(Hkv * D));
+}
+
 /* In place on qkv [N, Hq + 2 Hkv, D] (row stride (Hq + 2 Hkv) D): rotate the Hq query and Hkv key
  * heads of row n by cos/sin [N, D] (HF "rotate_half" layout), then write row n's keys and values
  * to kc/vc [slots, Hkv, D] at slot slots[n]. D % 16 == 0. */
 TGT void rc32_rope_write(float *qkv, int64_t N, int64_t Hq, int64_t Hkv, int64_t D, const float *cos, const float *sin,
                          float *kc, float *vc, const int64_t *slots, int nthreads) {
-    const int64_t row = (Hq + 2 * Hkv) * D, half = D / 2;
+    const int64_t row = (Hq + 2 * Hkv) * D;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (N > 16)
-    for (int64_t n = 0; n < N; n++) {
-        float *x = qkv + n * row;
-        const float *c = cos + n * D, *s = sin + n * D;
-        for (int64_t h = 0; h < Hq + Hkv; h++) {
-            float *xh = x + h * D;
-            for (int64_t d = 0; d < half; d += 8) {
-                __m256 a = _mm256_loadu_ps(xh + d), b = _mm256_loadu_ps(xh + half + d);
-                /* out[:half] = a cos - b sin; out[half:] = b cos + a sin (x cos + rotate_half(x) sin) */
-                __m256 lo = _mm256_fmsub_ps(a, _mm256_loadu_ps(c + d), _mm256_mul_ps(b, _mm256_loadu_ps(s + d)));
-                __m256 hi = _mm256_fmadd_ps(b, _mm256_loadu_ps(c + half + d), _mm256_mul_ps(a, _mm256_loadu_ps(s + half + d)));
-                _mm256_storeu_ps(xh + d, lo);
-                _mm256_storeu_ps(xh + half + d, hi);
-            }
+    for (int64_t n = 0; n < N; n++)
+        rope_write_row(qkv + n * row, Hq, Hkv, D, cos + n * D, sin + n * D, kc + slots[n] * Hkv * D, vc + slots[n] * Hkv * D);
+}
+
+/* One row of rc32_add_rms_norm: x [H] += delta (if not NULL), out = weight * x * rsqrt(mean(x^2) + eps). */
+TGT static void add_rms_norm_row(float *x, const float *delta, const float *weight, float eps, int64_t H, float *out) {
+    __m256 ss = _mm256_setzero_ps();
+    for (int64_t i = 0; i < H; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        if (delta) {
+            v = _mm256_add_ps(v, _mm256_loadu_ps(delta + i));
+            _mm256_storeu_ps(x + i, v);
         }
-        memcpy(kc + slots[n] * Hkv * D, x + Hq * D, sizeof(float) * (size_t)(Hkv * D));
-        memcpy(vc + slots[n] * Hkv * D, x + (Hq + Hkv) * D, sizeof(float) * (size_t)(Hkv * D));
+        ss = _mm256_fmadd_ps(v, v, ss);
     }
+    const __m256 r = _mm256_set1_ps(1.0f / sqrtf(hsum256(ss) / (float)H + eps));
+    for (int64_t i = 0; i < H; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(weight + i), _mm256_mul_ps(_mm256_loadu_ps(x + i), r)));
 }
 
 /* h [N, H] += delta (if not NULL), then out = weight * h * rsqrt(mean(h^2) + eps). H % 8 == 0. */
 TGT void rc32_add_rms_norm(float *h, const float *delta, const float *weight, float eps, int64_t N, int64_t H, float *out,
                            int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (N > 16)
-    for (int64_t n = 0; n < N; n++) {
-        float *x = h + n * H;
-        __m256 ss = _mm256_setzero_ps();
-        for (int64_t i = 0; i < H; i += 8) {
-            __m256 v = _mm256_loadu_ps(x + i);
-            if (delta) {
-                v = _mm256_add_ps(v, _mm256_loadu_ps(delta + n * H + i));
-                _mm256_storeu_ps(x + i, v);
-            }
-            ss = _mm256_fmadd_ps(v, v, ss);
-        }
-        const __m256 r = _mm256_set1_ps(1.0f / sqrtf(hsum256(ss) / (float)H + eps));
-        for (int64_t i = 0; i < H; i += 8)
-            _mm256_storeu_ps(out + n * H + i, _mm256_mul_ps(_mm256_loadu_ps(weight + i), _mm256_mul_ps(_mm256_loadu_ps(x + i), r)));
+    for (int64_t n = 0; n < N; n++) add_rms_norm_row(h + n * H, delta ? delta + n * H : NULL, weight, eps, H, out + n * H);
+}
+
+/* One row of rc32_silu_mul: out [I] = silu(g) * u. */
+TGT static void silu_mul_row(const float *gt, const float *u, int64_t I, float *out) {
+    for (int64_t i = 0; i < I; i += 8) {
+        __m256 x = _mm256_loadu_ps(gt + i);
+        __m256 sig = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + i)));
     }
 }
 
 /* out [N, I] = silu(gate) * up, with gate_up [N, 2I] = [gate | up] per row. I % 8 == 0. */
 TGT void rc32_silu_mul(const float *gate_up, int64_t N, int64_t I, float *out, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (N > 16)
-    for (int64_t n = 0; n < N; n++) {
-        const float *gt = gate_up + n * 2 * I, *u = gt + I;
-        for (int64_t i = 0; i < I; i += 8) {
-            __m256 x = _mm256_loadu_ps(gt + i);
-            __m256 sig = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), x))));
-            _mm256_storeu_ps(out + n * I + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + i)));
-        }
-    }
+    for (int64_t n = 0; n < N; n++) silu_mul_row(gate_up + n * 2 * I, gate_up + n * 2 * I + I, I, out + n * I);
 }
 
 /* ---- linear layers for few rows ------------------------------------------------------------ */
@@ -511,14 +519,18 @@ TGT void rc32_silu_mul(const float *gate_up, int64_t N, int64_t I, float *out, i
  * for all MR input rows; one accumulator per (weight row, input row), summed across lanes at the end. */
 TGT static inline __attribute__((always_inline)) void linear_tile(const float *x, int64_t K, const float *W, const float *b,
                                                                     int64_t N, float *y, int64_t n0, int64_t nr, int64_t m0,
-                                                                    const int MR) {
+                                                                    const int MR, const int prefetch) {
     __m256 acc[4][3];
     const float *w[4];
     for (int r = 0; r < 4; r++) {
         w[r] = W + (n0 + (r < nr ? r : nr - 1)) * K;
         for (int j = 0; j < MR; j++) acc[r][j] = _mm256_setzero_ps();
     }
+    /* the next 4 weight rows stream in while these are computed (memory and compute overlap) */
+    const float *ahead = W + (n0 + 4 < N ? n0 + 4 : n0) * K;
     for (int64_t k = 0; k < K; k += 8) {
+        if (prefetch && (k & 8) == 0)
+            for (int r = 0; r < 4; r++) _mm_prefetch((const char *)(ahead + r * K + k), _MM_HINT_T0);
         __m256 xv[3];
         for (int j = 0; j < MR; j++) xv[j] = _mm256_loadu_ps(x + (m0 + j) * K + k);
         for (int r = 0; r < 4; r++) {
@@ -530,18 +542,121 @@ TGT static inline __attribute__((always_inline)) void linear_tile(const float *x
         for (int j = 0; j < MR; j++) y[(m0 + j) * N + n0 + r] = hsum256(acc[r][j]) + (b ? b[n0 + r] : 0.0f);
 }
 
+/* The work of rc32_linear_rows as an orphaned worksharing loop: inside a parallel region the
+ * threads share the output columns (and meet at its end), outside one it runs on the caller. */
+TGT static void linear_rows_for(const float *x, int64_t M, int64_t K, const float *W, const float *b, int64_t N, float *y) {
+#pragma omp for schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += 4) {
+        const int64_t nr = N - n0 < 4 ? N - n0 : 4;
+        int64_t m0 = 0;
+        for (; m0 + 3 <= M; m0 += 3) linear_tile(x, K, W, b, N, y, n0, nr, m0, 3, m0 == 0);
+        if (M - m0 == 2) linear_tile(x, K, W, b, N, y, n0, nr, m0, 2, m0 == 0);
+        else if (M - m0 == 1) linear_tile(x, K, W, b, N, y, n0, nr, m0, 1, m0 == 0);
+    }
+}
+
 /* y [M, N] = x [M, K] W [N, K]^T (+ b [N]) for few rows M (decode steps, short prompt chunks): the
  * weight streams from memory once per call whatever M is, in rows of 4 per step, threads taking
  * contiguous ranges of output columns. A row's result never depends on M or on the other rows.
  * K % 8 == 0. */
 TGT void rc32_linear_rows(const float *x, int64_t M, int64_t K, const float *W, const float *b, int64_t N, float *y,
                           int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t n0 = 0; n0 < N; n0 += 4) {
-        const int64_t nr = N - n0 < 4 ? N - n0 : 4;
-        int64_t m0 = 0;
-        for (; m0 + 3 <= M; m0 += 3) linear_tile(x, K, W, b, N, y, n0, nr, m0, 3);
-        if (M - m0 == 2) linear_tile(x, K, W, b, N, y, n0, nr, m0, 2);
-        else if (M - m0 == 1) linear_tile(x, K, W, b, N, y, n0, nr, m0, 1);
+#pragma omp parallel num_threads(nthreads)
+    linear_rows_for(x, M, K, W, b, N, y);
+}
+
+/* ---- a whole decode step ---------------------------------------------------------------------- */
+
+/* One decoder layer's weights and arena part, as rc32_decode_step reads them. */
+typedef struct {
+    const float *qkv_w, *qkv_b;   /* [(Hq + 2 Hkv) D, H] and its bias or NULL */
+    const float *o_w, *o_b;       /* [H, Hq D] */
+    const float *gu_w;            /* [2 I, H]: gate rows, then up rows */
+    const float *down_w, *down_b; /* [H, I] */
+    const float *post_norm;       /* [H]: post-attention RMSNorm */
+    const float *next_norm;       /* [H]: the next layer's input RMSNorm, or the final norm */
+    float post_eps, next_eps;
+} rc32_layer_t;
+
+/* Every decoder layer of a step whose M rows are all generated tokens (M <= 16: the linear layers
+ * stream their weights once for all rows), in one call and one parallel region: per layer the
+ * QKV, RoPE + KV write, decode attention, O, add + norm, gate/up, SiLU x up, down, add + norm
+ * phases run one after the other, the threads meeting between them. The arithmetic of every row
+ * is that of the per-operation calls (rc32_linear_rows, rc32_rope_write, rc32_paged_attention's
+ * decode path, rc32_add_rms_norm, rc32_silu_mul), so both give the same bits; this removes the
+ * calls' dispatch, which a decode step of a small model is otherwise dominated by after its weights.
+ *   h: [M, H] residual stream (in: the embeddings; updated in place);
+ *   x: [M, H] in: layer 0's input-normed rows; out: the final-normed rows;
+ *   cos, sin: [M, D]; k_base, v_base: the arena, layer l at + l * layer_stride ([slots, Hkv, D]);
+ *   write: [M] slot of each row's new K/V; slots/ctx_off: each row's context (its new token last).
+ * Returns 0, 1 on bad arguments, 2 when out of memory. */
+TGT int rc32_decode_step(const rc32_layer_t *layers, int64_t L, float *h, float *x, int64_t M, int64_t H, int64_t Hq,
+                         int64_t Hkv, int64_t D, int64_t I, const float *cos, const float *sin, float *k_base,
+                         float *v_base, int64_t layer_stride, const int64_t *write, const int64_t *slots,
+                         const int64_t *ctx_off, float scale, int nthreads) {
+    if (M < 1 || M > 16 || L < 1 || Hkv < 1 || Hq % Hkv || D % 16 || D > DMAX || H % 8 || I % 8 || nthreads < 1) return 1;
+    const int64_t g = Hq / Hkv, row = (Hq + 2 * Hkv) * D, slot_row = Hkv * D;
+    int64_t nitems = 0;
+    for (int64_t b = 0; b < M; b++) {
+        int64_t S = ctx_off[b + 1] - ctx_off[b];
+        if (S < 1) return 1;
+        nitems += Hkv * ((S + DCHUNK - 1) / DCHUNK);
     }
+    float *qkv = malloc(sizeof(float) * (size_t)(M * row));
+    float *att = malloc(sizeof(float) * (size_t)(M * Hq * D));
+    float *tmp = malloc(sizeof(float) * (size_t)(M * H));
+    float *gu = malloc(sizeof(float) * (size_t)(M * 2 * I));
+    float *act = malloc(sizeof(float) * (size_t)(M * I));
+    float *part = malloc(sizeof(float) * (size_t)(nitems * g * (DCHUNK + 2 + D)));
+    work32_t *items = malloc(sizeof(work32_t) * (size_t)nitems);
+    int64_t *part_at = malloc(sizeof(int64_t) * (size_t)nitems);
+    int64_t *first = malloc(sizeof(int64_t) * (size_t)(M * Hkv + 1)); /* each (row, head)'s first item */
+    int rc = 0;
+    if (!qkv || !att || !tmp || !gu || !act || !part || !items || !part_at || !first) {
+        rc = 2;
+        goto done;
+    }
+    int64_t ni = 0;
+    for (int64_t b = 0; b < M; b++) {
+        int64_t S = ctx_off[b + 1] - ctx_off[b], nc = (S + DCHUNK - 1) / DCHUNK;
+        for (int64_t hh = 0; hh < Hkv; hh++) {
+            first[b * Hkv + hh] = ni;
+            for (int64_t c = 0; c < nc; c++) {
+                part_at[ni] = ni * g * (DCHUNK + 2 + D);
+                items[ni++] = (work32_t){b, hh, c * DCHUNK, (c + 1) * DCHUNK < S ? (c + 1) * DCHUNK : S, c};
+            }
+        }
+    }
+    first[M * Hkv] = ni;
+#pragma omp parallel num_threads(nthreads)
+    for (int64_t l = 0; l < L; l++) {
+        const rc32_layer_t *w = layers + l;
+        float *kc = k_base + l * layer_stride, *vc = v_base + l * layer_stride;
+        linear_rows_for(x, M, H, w->qkv_w, w->qkv_b, row, qkv);
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < M; n++)
+            rope_write_row(qkv + n * row, Hq, Hkv, D, cos + n * D, sin + n * D, kc + write[n] * slot_row, vc + write[n] * slot_row);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < ni; it++) {
+            work32_t wk = items[it];
+            float *pp = part + part_at[it];
+            decode_part(qkv + wk.seq * row, D, g, wk.h, wk.a, wk.b, kc, vc, slot_row, slots + ctx_off[wk.seq], scale,
+                        pp + g * (2 + D), pp, pp + 2 * g);
+        }
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M * Hkv; m++)
+            decode_merge(first[m + 1] - first[m], g, D, part, part_at + first[m], att + (m / Hkv) * Hq * D + (m % Hkv) * g * D);
+        linear_rows_for(att, M, Hq * D, w->o_w, w->o_b, H, tmp);
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < M; n++) add_rms_norm_row(h + n * H, tmp + n * H, w->post_norm, w->post_eps, H, x + n * H);
+        linear_rows_for(x, M, H, w->gu_w, NULL, 2 * I, gu);
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < M; n++) silu_mul_row(gu + n * 2 * I, gu + n * 2 * I + I, I, act + n * I);
+        linear_rows_for(act, M, I, w->down_w, w->down_b, H, tmp);
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < M; n++) add_rms_norm_row(h + n * H, tmp + n * H, w->next_norm, w->next_eps, H, x + n * H);
+    }
+done:
+    free(qkv); free(att); free(tmp); free(gu); free(act); free(part); free(items); free(part_at); free(first);
+    return rc;
 }
