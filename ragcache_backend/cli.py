@@ -425,7 +425,7 @@ def demo(
             )
         report = dataclasses.replace(
             report, phases_s={"index": indexed - started, "model": loaded - indexed, **report.phases_s},
-            config={**report.config, "prefill_profile": "shipped reference (demo/reference_profile.json)"
+            config={**report.config, "prefill_profile": "shipped reference (engine/reference_profile.json)"
                     if profile is not None else "measured on this machine"})
         table = Table(title=f"ragcache demo: {engine.model_name}, k={k}, steady state")
         table.add_column("question", ratio=3, overflow="fold")
@@ -477,6 +477,10 @@ def serve(
     remote_url: Optional[str] = typer.Option(None, "--remote-url",
                                              help="remote KV tier shared by replicas: redis://host:port/db (default off)"),
     max_batch_size: Optional[int] = typer.Option(None, "--max-batch-size", min=1, help="sequences per forward step (default 8)"),
+    max_batch_tokens: Optional[int] = typer.Option(
+        None, "--max-batch-tokens", min=1,
+        help="new tokens per forward step: one per decode plus prefill chunks; longer prompts are prefilled in "
+             "chunks (default 4096)"),
     max_queue: Optional[int] = typer.Option(None, "--max-queue", min=0,
                                             help="requests that may wait beyond a full batch; more get 503 (default 64)"),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
@@ -519,7 +523,8 @@ def serve(
         settings = load_settings(
             config_file, host=host, port=port, model=model, dtype=dtype, threads=threads, policy=policy, reuse=reuse,
             device_mib=device_mib, host_mib=host_mib, cache_dir=cache_dir, disk_cache=disk_cache,
-            disk_budget_mib=disk_budget_mib, remote_url=remote_url, max_batch_size=max_batch_size, max_queue=max_queue,
+            disk_budget_mib=disk_budget_mib, remote_url=remote_url, max_batch_size=max_batch_size,
+            max_batch_tokens=max_batch_tokens, max_queue=max_queue,
             served_model_name=served_model_name, default_max_tokens=default_max_tokens, drain_timeout=drain_timeout,
             log_level=log_level, api_key=api_key, index=index, learned_documents=learned_documents,
             remember_documents=remember_documents,

@@ -70,6 +70,9 @@ class ServerSettings(CacheSettings):
     device_mib: int = Field(512, ge=1, description="device tier (KV arena) budget, MiB")
     reuse: Literal["exact", "chunk", "auto"] = Field("exact", description="default reuse mode of a request")
     max_batch_size: int = Field(8, ge=1, description="sequences in one forward step")
+    max_batch_tokens: int = Field(4096, ge=1, description="new tokens (rows) in one forward step: one per decode "
+                                                          "plus prefill chunks (vLLM's max_num_batched_tokens); a "
+                                                          "longer prompt is prefilled in chunks over several steps")
     max_queue: int = Field(64, ge=0, description="requests that may wait beyond a full batch; more get 503")
     served_model_name: str | None = Field(None, description="model name clients use; None = the engine's")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens of a request that gives none (capped by the window)")
@@ -109,7 +112,7 @@ class ServerSettings(CacheSettings):
                 model=self.model, dtype=self.dtype, threads=self.threads, policy=self.policy, reuse=self.reuse,
                 device_budget_bytes=self.device_mib * MiB, host_budget_bytes=self.host_mib * MiB,
                 disk_dir=self.disk_dir, disk_budget_bytes=self.disk_budget_mib * MiB, remote_url=self.remote_url,
-                max_batch_size=self.max_batch_size,
+                max_batch_size=self.max_batch_size, max_batch_tokens=self.max_batch_tokens,
             )
         except ValidationError as exc:
             raise InvalidRequestError(f"invalid engine configuration: {validation_message(exc)}") from None
