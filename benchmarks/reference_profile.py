@@ -1,5 +1,5 @@
 """Measure the prefill profile that ``ragcache demo`` ships for the default model
-(``ragcache_backend/demo/reference_profile.json``).
+(``ragcache_backend/engine/reference_profile.json``).
 
 The engine's own procedure (:func:`ragcache_backend.engine.setup.load_or_measure_profile`: the
 default 3 x 3 grid of cached x new tokens, the minimum of 3 runs per point, made non-decreasing),

@@ -31,11 +31,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ragcache_backend.cache.profile import PrefillProfile
-from ragcache_backend.errors import InvalidRequestError, ModelLoadError
+from ragcache_backend.engine.setup import REFERENCE_PROFILE, reference_profile
+from ragcache_backend.errors import InvalidRequestError
 
-#: The prefill profile shipped for the default model in float32 (see :func:`reference_profile`).
-REFERENCE_PROFILE = Path(__file__).with_name("reference_profile.json")
+__all__ = ["REFERENCE_PROFILE", "DemoRecord", "DemoReport", "reference_profile", "run_demo", "write_report"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -73,38 +72,6 @@ class DemoReport:
     phases_s: dict[str, float] = field(default_factory=dict)
     """Wall time of each phase in seconds (``retrieval``, ``warm-up``, ``measured``; the CLI adds
     ``index`` and ``model``)."""
-
-
-def reference_profile(model: str | os.PathLike[str] | None, dtype: str, device: str | None) -> PrefillProfile | None:
-    """The prefill profile shipped for the default model (SmolLM2-135M-Instruct, float32, CPU),
-    when ``model`` is that model run in float32 on the CPU; None otherwise (the engine then
-    measures this machine's profile, ~45 s on 2 cores, once). Measured by
-    ``benchmarks/reference_profile.py`` with the engine's own procedure, 1 thread, on a shared
-    2-core AMD EPYC without AVX-512 (the minimum of 2 rounds; 2-thread timings there were
-    dominated by the other jobs' load).
-
-    PGDSF uses the profile only to rank tree nodes for eviction (cost per token of recomputing a
-    node); a profile measured on another CPU differs from this one's mostly by a common factor,
-    which leaves that ranking unchanged, and the demo's working set fits its device tier (nothing
-    is evicted), so its figures do not depend on it. ``ragcache serve`` and ``ask`` still measure
-    this machine's own profile on first use.
-
-    Raises CorruptFileError when the shipped file fails its checksum.
-    """
-    from ragcache_backend.model.loader import default_model_path, resolve_model
-
-    if dtype != "float32" or (device not in (None, "cpu")):
-        return None
-    try:
-        if resolve_model(model).resolve() != default_model_path().resolve():
-            return None
-    except ModelLoadError:  # no such model: the engine reports it when it loads
-        return None
-    import torch
-
-    if device is None and torch.cuda.is_available():
-        return None
-    return PrefillProfile.load(REFERENCE_PROFILE)
 
 
 def pick_recurring(questions: Sequence[str], retrieved: Sequence[Sequence[str]], n: int, seed: int) -> list[int]:

@@ -12,7 +12,7 @@ import pytest
 from ragcache_backend import cli
 from ragcache_backend.cache.profile import PrefillProfile
 from ragcache_backend.config import EngineConfig
-from ragcache_backend.demo import datasets, demo
+from ragcache_backend.demo import datasets
 from ragcache_backend.demo.datasets import demo_corpus_dir
 from ragcache_backend.demo.demo import REFERENCE_PROFILE, reference_profile, run_demo, write_report
 from ragcache_backend.errors import CorpusError
@@ -164,4 +164,6 @@ def test_reference_profile_file_is_package_data() -> None:
 
     pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
     data = pyproject["tool"]["setuptools"]["package-data"]
-    assert REFERENCE_PROFILE.name in data.get("ragcache_backend.demo", []) and REFERENCE_PROFILE.parent == Path(demo.__file__).parent
+    from ragcache_backend.engine import setup
+
+    assert REFERENCE_PROFILE.name in data.get("ragcache_backend.engine", []) and REFERENCE_PROFILE.parent == Path(setup.__file__).parent
