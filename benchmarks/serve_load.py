@@ -11,9 +11,11 @@ failed (with the error), TTFT p50/p99 (time to the first streamed content), end-
 output tokens per second over the burst, cached prompt tokens, server RSS before, at the end of
 and 5 s after each burst, and for ragcache the tier bytes against their budgets read from
 ``/metrics``. Servers run one after the other (2 cores: never
-both at once), ragcache first; ratios are printed side by side.
+both at once), ragcache first; ratios are printed side by side. Both get the same KV memory
+(``--vllm-kv-gib``: vLLM's ``VLLM_CPU_KVCACHE_SPACE``, ragcache's device + host tiers), the same
+sequences and tokens per step (``--max-batch``, ``--max-batch-tokens``: vLLM's CPU server default).
 
-    .venv/bin/python benchmarks/serve_load.py --clients 200 --max-tokens 16 --json out.json
+    .venv/bin/python benchmarks/serve_load.py --clients 200 --max-tokens 16 --vllm-kv-gib 3 --json out.json
 """
 
 from __future__ import annotations
@@ -209,7 +211,9 @@ def run_ragcache(args, trace: list[dict], log_dir: Path) -> dict:
     base = f"http://127.0.0.1:{port}"
     cache_dir = log_dir / "ragcache-kv"
     cmd = [str(ROOT / ".venv" / "bin" / "ragcache"), "serve", "--port", str(port), "--cache-dir", str(cache_dir),
-           "--dtype", args.dtype, "--max-queue", str(args.clients * 2)]
+           "--dtype", args.dtype, "--max-queue", str(args.clients * 2), "--max-batch-size", str(args.max_batch),
+           "--max-batch-tokens", str(args.max_batch_tokens), "--device-mib", str(args.device_mib),
+           "--host-mib", str(max(0, args.vllm_kv_gib * 1024 - args.device_mib))]
     log = open(log_dir / "ragcache-serve.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
@@ -236,7 +240,8 @@ def run_vllm(args, trace: list[dict], log_dir: Path) -> dict:
                OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
     cmd = [str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(VLLM_MODEL), "--port", str(port),
            "--dtype", args.dtype, "--enable-prefix-caching", "--max-model-len", "4096", "--served-model-name", "smollm2",
-           "--max-num-seqs", str(args.max_batch), "--block-size", "32", "--enable-prompt-tokens-details"]
+           "--max-num-seqs", str(args.max_batch), "--max-num-batched-tokens", str(args.max_batch_tokens),
+           "--block-size", "32", "--enable-prompt-tokens-details"]
     log = open(log_dir / "vllm-serve.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     try:
@@ -256,8 +261,14 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--k", type=int, default=3, help="documents per request")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--max-batch", type=int, default=8, help="vLLM --max-num-seqs (ragcache's default batch is 8)")
-    ap.add_argument("--vllm-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE, whole GiB")
+    ap.add_argument("--max-batch", type=int, default=8, help="sequences per step, both servers (vLLM --max-num-seqs, "
+                                                                "ragcache --max-batch-size)")
+    ap.add_argument("--max-batch-tokens", type=int, default=2048,
+                    help="tokens per step, both servers (vLLM --max-num-batched-tokens, its CPU server default; "
+                         "ragcache --max-batch-tokens)")
+    ap.add_argument("--vllm-kv-gib", type=int, default=3,
+                    help="VLLM_CPU_KVCACHE_SPACE, whole GiB; ragcache gets the same KV memory (device + host tiers)")
+    ap.add_argument("--device-mib", type=int, default=512, help="ragcache's device tier; its host tier gets the rest")
     ap.add_argument("--servers", default="ragcache,vllm", help="which servers, in order (comma-separated)")
     ap.add_argument("--bursts", type=int, default=2, help="bursts of the whole trace per server (the first on a cold cache)")
     ap.add_argument("--seed", type=int, default=0)

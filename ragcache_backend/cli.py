@@ -222,14 +222,12 @@ def engine_config(model: Optional[str], dtype: str, threads: int, policy: str = 
 
 
 def _engine(config, store=None, *, profile=None):
-    """The engine; ``profile`` None: this machine's prefill profile (measured once, ~45 s)."""
+    """The engine; ``profile`` None: this machine's prefill profile (the shipped one for the default
+    model until one was measured; another model's measured once, ~45 s)."""
     from ragcache_backend.engine.engine import RAGCacheEngine
 
-    if profile is not None:
-        with err.status("loading the model..."):
-            return RAGCacheEngine(config, store=store, profile=profile)
-    with err.status("loading the model (and, the first time, measuring its prefill profile)..."):
-        return RAGCacheEngine(config, store=store)
+    with err.status("loading the model..."):
+        return RAGCacheEngine(config, store=store, profile=profile)
 
 
 def _store(corpus: Optional[Path], *, rebuild: bool = False):
@@ -546,10 +544,9 @@ def serve(
         logging.getLogger("ragcache_backend").setLevel(level)
         from ragcache_backend.engine.engine import RAGCacheEngine
 
-        # the port answers at once (/health: "starting"); the model loads, and on a fresh machine its
-        # prefill profile is measured, in the background
-        err.print("loading the model (and, the first time, measuring its prefill profile) while listening...",
-                  highlight=False)
+        # the port answers at once (/health: "starting"); the model loads (and another model than the
+        # default measures its prefill profile on a fresh machine) in the background
+        err.print("loading the model while listening...", highlight=False)
         run_server(lambda: RAGCacheEngine(config), settings, sock, index_documents=index_documents)
 
 
