@@ -62,7 +62,7 @@ redis:
 	  { echo "the tests need redis-server: apt-get install redis-server (as root)"; exit 1; }
 
 test: setup vllm-env redis models
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra --durations=30
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache
