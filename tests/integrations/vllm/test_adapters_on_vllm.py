@@ -50,7 +50,7 @@ def vllm_url(tmp_path_factory):
     cmd = [str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
            "--model", str(MODEL), "--served-model-name", SERVED, "--dtype", "float32", "--max-model-len", "2048",
            "--enable-prefix-caching", "--enable-prompt-tokens-details", "--kv-cache-memory-bytes", str(256 << 20),
-           "--seed", "0",
+           "--seed", "0", "--enforce-eager",  # no torch.compile: ~75 s less per start on 2 cores
            "--kv-transfer-config", CONNECTOR]
     log = tmp / "vllm.log"
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)

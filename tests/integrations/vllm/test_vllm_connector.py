@@ -5,7 +5,8 @@ tier with the same answer as vLLM without the connector; salts never share KV; d
 recomputed, never an error; two replicas share blocks through a real Redis on loopback, and a Redis
 that is down costs recomputation, never an error; an unsupported vLLM version is refused at start.
 
-Each vLLM start takes ~30-60 s on 2 cores, so the engines run once per module.
+Each vLLM start takes ~40 s on 2 cores (eager: torch.compile would add ~75 s), so the engines run once
+per module.
 """
 
 from __future__ import annotations

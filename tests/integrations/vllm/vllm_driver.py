@@ -39,7 +39,7 @@ def main() -> int:
                                     "kv_role": "kv_both", "kv_connector_extra_config": json.loads(args.extra)}
     llm = LLM(model=args.model, dtype=args.dtype, block_size=args.block_size, max_model_len=1024,
               enable_prefix_caching=True, kv_cache_memory_bytes=args.kv_bytes, seed=0,
-              disable_log_stats=False, **kw)
+              disable_log_stats=False, enforce_eager=True, **kw)  # eager: no ~75 s torch.compile per start
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     results = []
     for i, item in enumerate(json.load(open(args.prompts))):
