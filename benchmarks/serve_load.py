@@ -25,6 +25,7 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import signal
 import socket
 import statistics
@@ -210,6 +211,7 @@ def run_ragcache(args, trace: list[dict], log_dir: Path) -> dict:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     cache_dir = log_dir / "ragcache-kv"
+    shutil.rmtree(cache_dir, ignore_errors=True)  # a cold burst is cold: no disk tier left by an earlier run
     cmd = [str(ROOT / ".venv" / "bin" / "ragcache"), "serve", "--port", str(port), "--cache-dir", str(cache_dir),
            "--dtype", args.dtype, "--max-queue", str(args.clients * 2), "--max-batch-size", str(args.max_batch),
            "--max-batch-tokens", str(args.max_batch_tokens), "--device-mib", str(args.device_mib),
