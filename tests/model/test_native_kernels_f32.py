@@ -255,3 +255,40 @@ def test_the_torch_path_is_kept_when_the_kernels_are_off(tiny_llama, monkeypatch
     monkeypatch.setattr(native, "unavailable_reason", lambda *a, **k: "RAGCACHE_NATIVE_KERNELS=0")
     runner = ModelRunner(copy.deepcopy(tiny_llama), num_device_blocks=8, block_size=16)
     assert runner.kernel_tag == "torch" and not runner.native_attention
+
+
+def _fresh_library_state(monkeypatch):
+    """The module as before its first build (restored after the test)."""
+    for name, value in (("_lib", None), ("_tried", False), ("_why_not", ""), ("_KERNEL_DTYPES", {})):
+        monkeypatch.setattr(native, name, value)
+
+
+def test_a_missing_compiler_is_one_warning_and_the_torch_path(monkeypatch, caplog):
+    _fresh_library_state(monkeypatch)
+    monkeypatch.setattr(native, "_compiler", lambda: None)
+    with caplog.at_level("INFO", logger=native.log.name):
+        reasons = [native.unavailable_reason(torch.float32, "cpu", 64, 3) for _ in range(3)]
+    assert reasons == ["no C compiler found (set CC, or install gcc)"] * 3
+    warnings = [r for r in caplog.records if r.name == native.log.name]
+    assert len(warnings) == 1 and warnings[0].levelname == "WARNING" and "torch path" in warnings[0].message
+    assert native.instruction_set(torch.float32) is None
+
+
+def test_a_cpu_without_avx2_takes_the_torch_path_with_one_warning(monkeypatch, caplog, tmp_path):
+    """The library builds, but its CPU checks say no: the same one warning and the torch path."""
+    _fresh_library_state(monkeypatch)
+    real_cdll = native.ctypes.CDLL
+
+    def cdll_on_an_old_cpu(path):
+        lib = real_cdll(path)
+        lib.rc_supported = lambda: 0
+        lib.rc32_supported = lambda: 0
+        return lib
+
+    monkeypatch.setattr(native.ctypes, "CDLL", cdll_on_an_old_cpu)
+    with caplog.at_level("INFO", logger=native.log.name):
+        reason = native.unavailable_reason(torch.float32, "cpu", 64, 3)
+        assert native.unavailable_reason(torch.bfloat16, "cpu", 64, 3) == reason
+    assert reason is not None and "neither AVX2+FMA" in reason
+    warnings = [r for r in caplog.records if r.name == native.log.name]
+    assert len(warnings) == 1 and warnings[0].levelname == "WARNING"
