@@ -186,21 +186,26 @@ class RAGCacheParams(BaseModel):
     def tool_chat_generation(self, turns: Sequence[ChatTurn], stop: Sequence[str] | None = None,
                              overrides: Mapping[str, Any] | None = None, *, tools: Sequence[Mapping[str, Any]] = (),
                              tool_choice: str | Mapping[str, Any] | None = None,
-                             parallel_tool_calls: bool | None = None) -> tuple[Generation | ServerGeneration, tuple[Tool, ...]]:
+                             parallel_tool_calls: bool | None = None,
+                             response_format: Mapping[str, Any] | None = None,
+                             ) -> tuple[Generation | ServerGeneration, tuple[Tool, ...]]:
         """A ready request for chat ``turns`` that offers ``tools`` (OpenAI function format), and
         the tools whose calls are to be parsed out of its answer (empty when none are offered or
         ``tool_choice`` is ``none``). A forced choice (``required``, a function) constrains the
         answer to well-formed calls (:func:`~ragcache_backend.prompts.tools.tool_grammar`): one,
-        or one or more when ``parallel_tool_calls`` is True.
+        or one or more when ``parallel_tool_calls`` is True. Otherwise OpenAI's
+        ``response_format`` (``json_object``, ``json_schema``) holds the answer to its shape.
 
         Raises:
             ToolError: a tool that is not a valid function definition, a choice naming no tool.
+            GrammarError: a malformed ``response_format``.
         """
         parsed = parse_tools(tools)
         choice = parse_tool_choice(tool_choice, parsed)
+        shape = Grammar.response_format(response_format) if response_format is not None else None
         if not parsed or choice.mode == "none":
-            return self.chat_generation(turns, stop, overrides), ()
-        grammar = tool_grammar(parsed, choice, parallel=parallel_tool_calls is True)
+            return self.chat_generation(turns, stop, overrides, grammar=shape), ()
+        grammar = tool_grammar(parsed, choice, parallel=parallel_tool_calls is True) or shape
         return self.chat_generation(with_tools(turns, parsed), stop, overrides, grammar=grammar), parsed
 
     def server_generation(self, turns: Sequence[ChatTurn], prompt: str, stop: Sequence[str] | None = None,

@@ -82,6 +82,28 @@ class Grammar:
         return cls("json_object", "", whitespace)
 
     @classmethod
+    def response_format(cls, value: Mapping[str, Any]) -> Grammar | None:
+        """The grammar of OpenAI's ``response_format``: None for ``{"type": "text"}`` (free text),
+        any JSON object for ``json_object``, the schema of ``{"type": "json_schema", "json_schema":
+        {"name": ..., "schema": {...}}}``.
+
+        Raises:
+            GrammarError: another type, or a ``json_schema`` without its schema object.
+        """
+        kind = value.get("type", "text")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return cls.json_object()
+        if kind == "json_schema":
+            spec = value.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, Mapping) else None
+            if not isinstance(schema, Mapping):
+                raise GrammarError("response_format json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": {...}}}")
+            return cls.json_schema(schema)
+        raise GrammarError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+
+    @classmethod
     def regex(cls, pattern: str) -> Grammar:
         return cls("regex", pattern)
 

@@ -40,21 +40,6 @@ class OutputConstraints:
         return bool(self.tools) and self.tool_choice.mode != "none"
 
 
-def _response_format(value: Mapping[str, Any]) -> Grammar | None:
-    kind = value.get("type", "text")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return Grammar.json_object()
-    if kind == "json_schema":
-        spec = value.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, Mapping) else None
-        if not isinstance(schema, Mapping):
-            raise GrammarError("response_format json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": {...}}}")
-        return Grammar.json_schema(schema)
-    raise GrammarError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
-
-
 def _structured_outputs(value: Mapping[str, Any]) -> Grammar | None:
     """vLLM's ``structured_outputs``: exactly one of json, json_object, regex, choice, grammar."""
     given = {k: v for k, v in value.items() if k in ("json", "json_object", "regex", "choice", "grammar")
@@ -89,7 +74,7 @@ def output_constraints(body: ChatCompletionRequest | CompletionRequest) -> Outpu
             return OutputConstraints(grammar)
         field = "response_format"
         if body.response_format:
-            grammar = _response_format(body.response_format)
+            grammar = Grammar.response_format(body.response_format)
         field = "tools"
         tools = parse_tools(body.tools or ())
         field = "tool_choice"

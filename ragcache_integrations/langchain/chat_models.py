@@ -6,7 +6,9 @@ chat template, the documents known to our stores are found inside them
 (:mod:`ragcache_backend.prompts.recognition`) and their KV is served from the knowledge tree.
 ``usage_metadata["input_token_details"]["cache_read"]`` counts the prompt tokens that were reused.
 
-Tool calling (``bind_tools``, and through it ``with_structured_output``): the tools are offered
+Structured output: ``with_structured_output(schema, method=...)`` with ``function_calling`` (the
+default), ``json_schema`` or ``json_mode``, as ``ChatOpenAI``'s; each decodes under a grammar.
+Tool calling (``bind_tools``, and through it the default ``with_structured_output``): the tools are offered
 in the system turn in the Hermes format (:mod:`ragcache_backend.prompts.tools`); a forced call
 (``tool_choice`` ``"any"``/``"required"``/a name, as ``with_structured_output`` uses) is held to
 the tools' JSON Schemas by constrained decoding, so it always parses; the calls come back as
@@ -22,18 +24,20 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any
+from operator import itemgetter
+from typing import Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LangSmithParams
 from langchain_core.language_models import LanguageModelInput
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage, ToolMessage
 from langchain_core.messages.ai import UsageMetadata
+from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from ragcache_backend.engine.engine import GenerationResult, StreamChunk
 from ragcache_backend.prompts.recognition import ChatTurn
@@ -179,13 +183,58 @@ class ChatRAGCache(RAGCacheParams, BaseChatModel):
             extra["parallel_tool_calls"] = parallel_tool_calls
         return super().bind(tools=formatted, **extra, **kwargs)
 
+    def with_structured_output(self, schema: dict | type | None = None, *, include_raw: bool = False,
+                               method: Literal["function_calling", "json_schema", "json_mode"] = "function_calling",
+                               strict: bool | None = None, **kwargs: Any) -> Runnable[LanguageModelInput, dict | BaseModel]:
+        """This model answering in ``schema``'s shape, parsed (a pydantic instance for a pydantic
+        class, else a dict), as ``ChatOpenAI.with_structured_output``.
+
+        ``method``: ``function_calling`` (a forced call of a tool named after the schema),
+        ``json_schema`` (the answer itself held to the schema: OpenAI's ``response_format``
+        ``json_schema``) or ``json_mode`` (a JSON object, OpenAI's ``json_object``; where a schema
+        is given, constrained decoding holds the object to it too, which OpenAI's JSON mode leaves
+        to the prompt). Every method decodes under a grammar, so the JSON parses unless
+        ``max_tokens`` cuts it short (a ``maxLength`` in the schema bounds strings); ``strict`` is
+        accepted and changes nothing (the schema is always enforced).
+        With ``include_raw=True`` the result is ``{"raw": AIMessage, "parsed": ..., "parsing_error": ...}``.
+
+        Raises:
+            ValueError: an unknown ``method``, or no ``schema`` for ``function_calling`` / ``json_schema``.
+        """
+        if kwargs:
+            raise ValueError(f"unsupported arguments {sorted(kwargs)}")
+        if method == "function_calling":
+            if schema is None:
+                raise ValueError("with_structured_output(method='function_calling') needs a schema")
+            return super().with_structured_output(schema, include_raw=include_raw)
+        is_model = isinstance(schema, type) and issubclass(schema, BaseModel)
+        if method == "json_schema" or (method == "json_mode" and schema is not None):
+            if schema is None:
+                raise ValueError("with_structured_output(method='json_schema') needs a schema")
+            function = convert_to_openai_tool(schema)["function"]
+            response_format = {"type": "json_schema", "json_schema": {
+                "name": function["name"], "schema": schema.model_json_schema() if is_model else function["parameters"]}}
+        elif method == "json_mode":
+            response_format = {"type": "json_object"}
+        else:
+            raise ValueError(f"method must be 'function_calling', 'json_schema' or 'json_mode', got {method!r}")
+        llm = self.bind(response_format=response_format, ls_structured_output_format={
+            "kwargs": {"method": method}, "schema": schema})
+        parser = PydanticOutputParser(pydantic_object=schema) if is_model else JsonOutputParser()
+        if not include_raw:
+            return llm | parser
+        parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+        failed = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parsed.with_fallbacks([failed], exception_key="parsing_error")
+
     def _prepare(self, messages: list[BaseMessage], stop: list[str] | None,
                  kwargs: dict) -> tuple[Generation | ServerGeneration, tuple[Tool, ...]]:
         """The generation, and the tools whose calls are parsed out of its answer (empty: none)."""
         kwargs = dict(kwargs)
         return self.tool_chat_generation(to_chat_turns(messages), stop, kwargs, tools=kwargs.pop("tools", None) or (),
                                          tool_choice=kwargs.pop("tool_choice", None),
-                                         parallel_tool_calls=kwargs.pop("parallel_tool_calls", None))
+                                         parallel_tool_calls=kwargs.pop("parallel_tool_calls", None),
+                                         response_format=kwargs.pop("response_format", None))
 
     def _message(self, result: GenerationResult, tools: Sequence[Tool]) -> AIMessage:
         metadata = response_metadata(result, self.reported_model_name())

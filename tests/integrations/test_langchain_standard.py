@@ -5,7 +5,7 @@ integration suites run on the session's shared engine (real SmolLM2) and FAQ sto
 ``max_tokens=128`` (a forced tool call or a structured answer needs room) and
 ``frequency_penalty=1.0`` (greedy SmolLM2 otherwise repeats itself inside JSON strings until the
 limit). Tool calling and structured output run (``bind_tools``; ``with_structured_output``
-through it). Capabilities the model truly lacks are turned off through the suites' documented
+through it, and JSON mode). Capabilities the model truly lacks are turned off through the suites' documented
 properties: image/audio/PDF input (defaults: off) and model override (one engine serves one
 model); the agent loop, where the model must choose on its own to call a tool, is an expected
 failure for a 135M model (see the mark).
@@ -60,6 +60,10 @@ class TestChatRAGCacheIntegration(ChatModelIntegrationTests):
     @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)  # as the suite's own
     def test_agent_loop(self, model) -> None:
         super().test_agent_loop(model)
+
+    @property
+    def supports_json_mode(self) -> bool:
+        return True
 
     @property
     def supported_usage_metadata_details(self) -> dict:

@@ -191,3 +191,36 @@ def test_tool_calls_and_penalties_through_the_server_equal_the_embedded_engine(e
     embedded, served = answers
     assert served.tool_calls and [c["args"] for c in served.tool_calls] == [c["args"] for c in embedded.tool_calls]
     assert served.tool_calls[0]["name"] == "magic_function"
+
+
+@pytest.mark.parametrize("method", ["json_schema", "json_mode", "function_calling"])
+def test_structured_output_by_every_method_parses_and_the_server_gives_the_embedded_answer(engine, base_url, method):
+    """``with_structured_output`` as ChatOpenAI's: the answer held to the schema (json_schema and,
+    given a schema, json_mode) or to a forced tool call; parsed into the pydantic class, or
+    None with the error kept under ``include_raw``; the same through the server. (The schema's
+    maxLength keeps a 135M model's strings inside max_tokens: cut short, no JSON parses.)"""
+    from pydantic import BaseModel, Field
+
+    class Answer(BaseModel):
+        """An answer to the user's question."""
+
+        topic: str = Field(description="what the question is about", max_length=40)
+        short_answer: str = Field(description="the answer in a few words", max_length=60)
+
+    question = ("Why can a tuple be a dictionary key? Reply as a JSON object with the keys 'topic' and "
+                "'short_answer'.")
+    results = []
+    for kw in ({"engine": engine}, {"base_url": base_url}):
+        llm = ChatRAGCache(max_tokens=96, frequency_penalty=1.0, **kw)
+        results.append(llm.with_structured_output(Answer, method=method, include_raw=True).invoke(question))
+    embedded, served = results
+    assert embedded["raw"].content == served["raw"].content
+    assert [c["args"] for c in embedded["raw"].tool_calls] == [c["args"] for c in served["raw"].tool_calls]
+    for result in results:
+        assert isinstance(result["parsed"], Answer) and result["parsing_error"] is None
+    # json_mode without a schema: any JSON object, parsed as a dict
+    anything = ChatRAGCache(engine=engine, max_tokens=96, frequency_penalty=1.0).with_structured_output(
+        method="json_mode").invoke(question)
+    assert isinstance(anything, dict)
+    with pytest.raises(ValueError, match="method must be"):
+        ChatRAGCache(engine=engine).with_structured_output(Answer, method="xml")
