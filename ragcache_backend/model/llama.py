@@ -214,6 +214,25 @@ class PagedLlama:
         #: float32 decode-only steps run every layer in one native call (None: not available)
         self._decode_plan = self._build_decode_plan()
 
+    @property
+    def whole_step_decode(self) -> bool:
+        """Whether float32 decode-only steps run every layer in one native call
+        (``rc32_decode_step``); False: the per-operation kernels (or the torch path) run them."""
+        return self._decode_plan is not None
+
+    @whole_step_decode.setter
+    def whole_step_decode(self, on: bool) -> None:
+        """Turn whole-step decode off (the per-operation kernels give the same bits; for A/B runs
+        and tests) or back on.
+
+        Raises:
+            ValueError: turned on where it cannot run (not float32 on a CPU with the native kernels).
+        """
+        plan = self._build_decode_plan() if on else None
+        if on and plan is None:
+            raise ValueError("whole-step decode needs float32 on a CPU with the native kernels")
+        self._decode_plan = plan
+
     def _gate_native(self) -> str:
         """Turn off the native kernels where this architecture needs what they do not implement
         (:func:`~ragcache_backend.model.arch.native_gaps`): the torch path runs it instead.

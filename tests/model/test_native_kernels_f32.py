@@ -226,8 +226,9 @@ def test_a_decode_step_in_one_native_call_equals_the_per_operation_kernels(tiny_
 
     whole = ModelRunner(copy.deepcopy(tiny_llama), num_device_blocks=240, block_size=16)
     per_op = ModelRunner(copy.deepcopy(tiny_llama), num_device_blocks=240, block_size=16)
-    assert whole.layers._decode_plan is not None
-    per_op.layers._decode_plan = None
+    assert whole.layers.whole_step_decode
+    per_op.layers.whole_step_decode = False
+    assert not per_op.layers.whole_step_decode
     g = torch.Generator().manual_seed(12)
     lengths = (5, 600, 1100)  # one over two decode chunks of 512 keys
     seqs = [tuple(torch.randint(0, 512, (n,), generator=g).tolist()) for n in lengths]
