@@ -15,7 +15,8 @@ import torch
 from ragcache_backend.errors import ModelLoadError
 from ragcache_backend.model.arch import describe, native_gaps
 from ragcache_backend.model.loader import SUPPORTED_MODEL_TYPES, LoadedModel
-from ragcache_backend.model.runner import ForwardInput, KVRun, ModelRunner
+from ragcache_backend.model.runner import ForwardInput, ModelRunner
+from tests.model.test_chunk_runner import Blocks
 
 VOCAB = 512
 TOL = 1e-4
@@ -71,19 +72,6 @@ def tiny(request) -> LoadedModel:
 @pytest.fixture()
 def runner(tiny) -> ModelRunner:
     return ModelRunner(tiny, num_device_blocks=64, block_size=16)
-
-
-class Blocks:
-    """Hands out fresh block ranges."""
-
-    def __init__(self) -> None:
-        self.next = 0
-
-    def run(self, n: int) -> KVRun:
-        count = -(-n // 16)
-        run = KVRun(tuple(range(self.next, self.next + count)), 0, n)
-        self.next += count
-        return run
 
 
 def _toks(n: int, seed: int) -> tuple[int, ...]:
