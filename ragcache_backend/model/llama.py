@@ -202,7 +202,7 @@ class PagedLlama:
         self.native_fused = self.native_attention and getattr(cfg, "hidden_act", "") == "silu" and native.fused_available(
             self.dtype, self.device, hidden=cfg.hidden_size, intermediate=self._weights[0].gate_up.weight.shape[0] // 2,
             head_dim=self.head_dim, group=group)
-        self._final_norm = (self._norm.weight.detach(), float(getattr(self._norm, "variance_epsilon", getattr(self._norm, "eps", 1e-6))))
+        self._final_norm = _norm_weights(self._norm, self.arch.family.norm_offset)
         gaps = self._gate_native()
         if self.native_attention:
             log.info("forward path: %s (%s kernels on %s)%s", self.kernel_tag, str(self.dtype).removeprefix("torch."),
