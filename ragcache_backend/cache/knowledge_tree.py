@@ -27,7 +27,7 @@ from ragcache_backend.cache.chunk_reuse import VariantInfo
 from ragcache_backend.cache.policy import NodeStats
 from ragcache_backend.errors import InvalidRequestError
 
-__all__ = ["TierName", "SegmentKey", "Node", "KnowledgeTree", "approximate_key", "path_key"]
+__all__ = ["TierName", "SegmentKey", "Node", "KnowledgeTree", "approximate_key", "approximate_rule", "path_key"]
 
 SegmentKey = NewType("SegmentKey", str)
 """Content hash of a segment's token ids (computed by the caller)."""
@@ -35,11 +35,24 @@ SegmentKey = NewType("SegmentKey", str)
 _APPROX = "approx:"
 
 
-def approximate_key(key: SegmentKey) -> SegmentKey:
+def approximate_key(key: SegmentKey, rule: str = "") -> SegmentKey:
     """The child key of a segment whose KV is *approximate*: computed over reused chunk caches (or a
-    reused chunk itself). It can never equal a segment's own key, so exact and approximate versions
-    of a segment live side by side and exact matching never reaches an approximate one."""
-    return key if key.startswith(_APPROX) else SegmentKey(_APPROX + key)
+    reused chunk itself) under the recompute rule whose :attr:`RecomputeRule.key
+    <ragcache_backend.cache.chunk_reuse.RecomputeRule.key>` is ``rule``. It can never equal a
+    segment's own key, so exact and approximate versions of a segment live side by side and exact
+    matching never reaches an approximate one; approximations made under different rules have
+    different keys, so one never serves a request that asked for another. An approximate key is
+    returned unchanged."""
+    if key.startswith(_APPROX):
+        return key
+    return SegmentKey(f"{_APPROX}{rule}|{key}" if rule else _APPROX + key)
+
+
+def approximate_rule(key: SegmentKey) -> str:
+    """The rule key an approximate key was made under ("" for an exact key or none recorded)."""
+    if not key.startswith(_APPROX) or "|" not in key:
+        return ""
+    return key[len(_APPROX):].split("|", 1)[0]
 
 
 def path_key(parent: str, key: str) -> str:
@@ -179,11 +192,12 @@ class KnowledgeTree:
             stack.extend(reversed(node.children.values()))
 
     def match_prefix(self, keys: Sequence[SegmentKey], *, approximate: bool = False,
-                     tokens: Sequence[Sequence[int]] = ()) -> list[Node]:
+                     tokens: Sequence[Sequence[int]] = (), rule: str = "") -> list[Node]:
         """Longest resident path matching ``keys`` from the root; O(len(result) + 1) lookups.
 
-        ``approximate``: where a segment has no exact child, follow its approximate one (and from
-        there on only approximate ones); otherwise approximate nodes are never matched.
+        ``approximate``: where a segment has no exact child, follow its approximate one made under
+        the recompute rule ``rule`` (and from there on only approximate ones); otherwise
+        approximate nodes are never matched.
         ``tokens``: per key, the segment's token ids (empty: not compared); the match stops at a
         node whose recorded tokens differ (:meth:`Node.serves`).
         """
@@ -192,7 +206,7 @@ class KnowledgeTree:
         for i, key in enumerate(keys):
             child = None if node.approximate else node.children.get(key)
             if (child is None or not child.resident) and approximate:
-                child = node.children.get(approximate_key(key))
+                child = node.children.get(approximate_key(key, rule))
             if child is None or not child.resident or (i < len(tokens) and not child.serves(tokens[i])):
                 break
             out.append(child)

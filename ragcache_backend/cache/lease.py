@@ -132,6 +132,8 @@ class Lease:
             it. The others are not computed yet, or not committed.
         committed: ``commit`` ran (every piece is covered; the prefill is complete).
         released: ``finish`` ran; the lease holds nothing any more.
+        rule_key: the recompute rule's key (:attr:`RecomputeRule.key`) in the chunk modes: the
+            approximate nodes this request inserts carry it; "" in exact mode.
     """
 
     prefix: list[Node]
@@ -144,6 +146,7 @@ class Lease:
     committed_pieces: int = 0
     committed: bool = False
     released: bool = False
+    rule_key: str = ""
 
     # ---- token counts ---------------------------------------------------------------------------
     @property

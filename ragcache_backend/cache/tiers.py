@@ -40,7 +40,8 @@ from ragcache_backend.cache.remote import RemoteStore
 from ragcache_backend.cache.remote_tier import RemoteTier
 from ragcache_backend.cache.host import HostTier
 from ragcache_backend.cache.invariants import check_invariants
-from ragcache_backend.cache.knowledge_tree import KnowledgeTree, Node, SegmentKey, TierName, approximate_key, path_key
+from ragcache_backend.cache.knowledge_tree import (KnowledgeTree, Node, SegmentKey, TierName, approximate_key, approximate_rule,
+                                                   path_key)
 from ragcache_backend.cache.lease import AcquiredPrefix, Lease, MatchResult, SegmentSpec
 from ragcache_backend.cache.policy import get_policy
 from ragcache_backend.cache.profile import PrefillProfile
@@ -207,7 +208,7 @@ class TieredCache:
         upto = len(lead) if exact_upto is None else max(0, exact_upto)
         # KV built over reused chunks is never a prefix for a request that recomputes everything
         acq = self._acquire_with_disk([s.key for s in lead[:upto]], approximate=rule is not None and rule.kind != "all",
-                                      tokens=[s.token_ids for s in lead[:upto]])
+                                      tokens=[s.token_ids for s in lead[:upto]], rule=rule.key if rule is not None else "")
         prefix, sources = list(acq.nodes), []
         rest = sum(need[len(prefix):]) + tail_need
         try:
@@ -229,6 +230,7 @@ class TieredCache:
         self.stats.host_hits += served.host_hits
         self.stats.variant_hits += len(sources)
         return Lease(prefix=prefix, pieces=served.pieces, tail_blocks=self.allocate(tail_need), sources=sources,
+                     rule_key=rule.key if rule is not None else "",
                      device_hits=acq.device_hits + served.device_hits, host_hits=acq.host_hits + served.host_hits,
                      disk_hits=acq.disk_hits + served.disk_hits)
 
@@ -324,7 +326,7 @@ class TieredCache:
         for i in range(lease.committed_pieces, upto):
             piece = lease.pieces[i]
             approx = approx or piece.use is not None
-            key = approximate_key(piece.spec.key) if approx else piece.spec.key
+            key = approximate_key(piece.spec.key, lease.rule_key) if approx else piece.spec.key
             holder = self._tree.root if parent is None else parent
             twin = holder.children.get(key)
             if twin is not None and (approx or not twin.serves(piece.spec.token_ids)):
@@ -416,7 +418,7 @@ class TieredCache:
         (approximate under an approximate parent: its KV was computed over approximate KV)."""
         stack = self._stack
         n = spec.num_tokens
-        key = approximate_key(spec.key) if parent.approximate else spec.key
+        key = approximate_key(spec.key, approximate_rule(parent.key)) if parent.approximate else spec.key
         if (key in parent.children or not stack.host.enabled or n > len(tail_blocks) * self.block_size
                 or not stack.make_host_room(stack.host.nbytes(n))):
             return
@@ -505,11 +507,11 @@ class TieredCache:
         return self._stack.persist_pending(max_bytes)
 
     def _acquire_with_disk(self, keys: Sequence[SegmentKey], *, approximate: bool = False,
-                           tokens: Sequence[Sequence[int]] = ()) -> AcquiredPrefix:
+                           tokens: Sequence[Sequence[int]] = (), rule: str = "") -> AcquiredPrefix:
         """:meth:`acquire` of the longest prefix in memory, continued on the disk tier: the nodes
         read from disk and swapped in count as ``disk_hits``, not ``host_hits``. ``tokens``: per
         key, the segment's token ids, compared with every node's and file's before it serves."""
-        match = self.match(keys, approximate=approximate, tokens=tokens)
+        match = self.match(keys, approximate=approximate, tokens=tokens, rule=rule)
         loaded = self._stack.read_back(match.nodes, keys, self._variants.restore, tokens)
         if loaded:
             nodes = match.nodes + tuple(loaded)
@@ -521,10 +523,11 @@ class TieredCache:
         self.stats.host_hits -= disk_hits
         return acq
 
-    def holds(self, keys: Sequence[SegmentKey], tokens: Sequence[Sequence[int]] = (), *, approximate: bool = False) -> bool:
+    def holds(self, keys: Sequence[SegmentKey], tokens: Sequence[Sequence[int]] = (), *, approximate: bool = False,
+              rule: str = "") -> bool:
         """True if the whole path ``keys`` is cached now, in memory or (past what memory holds) on
-        the disk tier; changes nothing. ``tokens`` and ``approximate`` as for :meth:`match`."""
-        nodes = self.match(keys, approximate=approximate, tokens=tokens).nodes
+        the disk tier; changes nothing. ``tokens``, ``approximate`` and ``rule`` as for :meth:`match`."""
+        nodes = self.match(keys, approximate=approximate, tokens=tokens, rule=rule).nodes
         if len(nodes) == len(keys):
             return True
         disk, remote = self._stack.disk, self._stack.remote
@@ -546,11 +549,11 @@ class TieredCache:
 
     # ----------------------------------------------------------------- lower-level calls
     def match(self, keys: Sequence[SegmentKey], *, approximate: bool = False,
-              tokens: Sequence[Sequence[int]] = ()) -> MatchResult:
+              tokens: Sequence[Sequence[int]] = (), rule: str = "") -> MatchResult:
         """Longest resident prefix of ``keys`` (O(depth)); changes nothing. ``approximate``: may
-        follow approximate nodes (chunk modes only). ``tokens``: per key, the segment's token ids;
+        follow approximate nodes made under the recompute rule whose key is ``rule`` (chunk modes only). ``tokens``: per key, the segment's token ids;
         a node whose recorded tokens differ ends the match (a key is a hash, never trusted alone)."""
-        nodes = tuple(self._tree.match_prefix(keys, approximate=approximate, tokens=tokens))
+        nodes = tuple(self._tree.match_prefix(keys, approximate=approximate, tokens=tokens, rule=rule))
         return MatchResult(nodes, tuple(n.tiers[0] for n in nodes), sum(n.num_tokens for n in nodes))
 
     def acquire(self, match: MatchResult) -> AcquiredPrefix:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 from ragcache_backend.cache.chunk_reuse import RecomputeRule, VariantInfo, choose_with_rule, context_keys
 from ragcache_backend.cache.disk import DiskEntry
-from ragcache_backend.cache.knowledge_tree import KnowledgeTree, Node, SegmentKey
+from ragcache_backend.cache.knowledge_tree import KnowledgeTree, Node, SegmentKey, approximate_rule
 from ragcache_backend.cache.lease import ChunkPiece, ChunkSpec, VariantUse
 from ragcache_backend.cache.stack import CacheStats, TierStack
 from ragcache_backend.errors import InvalidRequestError
@@ -203,7 +203,8 @@ class VariantStore:
         device (appended to ``from_disk``); if that fails, the best resident variant is used."""
         cands = [n for n in self.of(spec.key)
                  if n.num_tokens == spec.num_tokens and n not in held and n.serves(spec.token_ids)
-                 and (n.in_device or n.parent is None or n.parent.is_root or n.parent.in_device)]
+                 and (n.in_device or n.parent is None or n.parent.is_root or n.parent.in_device)
+                 and (not n.approximate or approximate_rule(n.key) == rule.key)]  # approximated under this rule only
         on_disk = self._disk_only(spec) if from_disk is not None else []
         if not cands and not on_disk:
             return None

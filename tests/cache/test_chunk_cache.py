@@ -72,7 +72,36 @@ def test_exact_context_becomes_tree_nodes_with_variants_and_a_moved_chunk_is_ser
     assert cache.stats.variant_hits == 2 and cache.variants(K("B"))[0].variant.reuse_score > 0
     keys = [K("SYS"), K("Q2"), K("B"), K("A")]
     assert len(cache.tree.match_prefix(keys)) == 2  # exact matching stops before approximate KV
-    assert len(cache.tree.match_prefix(keys, approximate=True)) == 4  # chunk modes follow it
+    assert len(cache.tree.match_prefix(keys, approximate=True, rule=RULE.key)) == 4  # chunk modes follow it
+    # ... made under this rule only: another rule (or none recorded) stops before the approximate KV
+    assert len(cache.tree.match_prefix(keys, approximate=True, rule=RecomputeRule(alpha=0.5).key)) == 2
+    assert len(cache.tree.match_prefix(keys, approximate=True)) == 2
+    cache.check_invariants()
+
+
+def test_kv_approximated_under_one_recompute_rule_never_serves_another():
+    """The recompute rule is part of the approximate key: a prefix node and a chunk variant built
+    over reused chunks under one rule are followed / chosen by requests under that rule only."""
+    cache = make()
+    run(cache, [spec("SYS", 10, False), spec("A", 20), spec("B", 20), spec("Q1", 5, False)], exact_upto=4)
+    # Q2, B, A under RULE: B and A reused; C after them is fresh over approximate KV (a variant)
+    lease = cache.admit([spec("SYS", 10, False), spec("Q2", 5, False), spec("B", 20), spec("A", 20), spec("C", 20)],
+                        tail_tokens=5, exact_upto=5, rule=RULE)
+    assert lease.rule_key == RULE.key
+    cache.commit(lease, rest_tokens=1, stats=[None, None, None, stats_for(K("C"), 20, lease.pieces[3].context)])
+    cache.finish(lease)
+    c_nodes = cache.variants(K("C"))
+    assert len(c_nodes) == 1 and c_nodes[0].approximate
+    lead = [spec("SYS", 10, False), spec("Q2", 5, False), spec("B", 20), spec("A", 20), spec("C", 20)]
+    same = cache.admit(lead, tail_tokens=5, exact_upto=5, rule=RULE)
+    assert len(same.prefix) == 5  # the whole approximate path, under the same rule
+    cache.finish(same)
+    other = RecomputeRule(alpha=RULE.alpha * 2)
+    assert other.key != RULE.key
+    lease = cache.admit(lead, tail_tokens=5, exact_upto=5, rule=other)
+    assert [n.key for n in lease.prefix] == ["SYS", "Q2"]  # approximate nodes of another rule are not followed
+    assert lease.pieces[2].use is None or not lease.pieces[2].use.node.approximate  # nor is C's approximate variant
+    cache.finish(lease)
     cache.check_invariants()
 
 
