@@ -55,6 +55,8 @@ class EngineConfig(BaseModel):
     chunk_share: float = Field(0.15, ge=0.0, le=1.0, description="share of a reused chunk's tokens recomputed under chunk_recompute='share'")
     chunk_leading: int = Field(32, ge=0, description="tokens recomputed at the start of a reused chunk under chunk_recompute='leading'")
     chunk_fresh_above: float = Field(0.6, ge=0.0, le=1.0, description="a chunk whose best variant's CFO is above this is computed in full and kept as a new variant")
+    chunk_kl_target: float | None = Field(None, ge=0.0, allow_inf_nan=False, description="a recompute budget from a quality target (issue 24): the largest mean per-token KL(p_full || p_reuse), in nats, that chunk reuse may cost; the CFO scale is then the smallest alpha whose KL, measured on the model (chunk_calibration_path), is within it (0: recompute every token); None: chunk_alpha as set")
+    chunk_calibration_path: Path | None = Field(None, description="the KL calibration chunk_kl_target reads (benchmarks/chunk_eval.py --calibration-out); None: the one shipped for the default model (engine/chunk_calibration.json)")
     chunk_guard: float | None = Field(0.2, gt=0.0, description="quality guard: a reused chunk whose recomputed tokens' K/V moved by more than this (relative L2, mean over its recomputed tokens and layers) is recomputed in full before the first token; None disables it")
     chunk_focus_window: int | None = Field(None, ge=1, description="Cache-Craft Algorithm 1: stop recomputing unfocused chunks once the question's focused set is stable for this many layers; None: off")
     chunk_variants_per_chunk: int = Field(4, ge=1, description="M: cached variants kept per chunk (Cache-Craft §3.3)")
@@ -64,9 +66,30 @@ class EngineConfig(BaseModel):
     remote_url: str | None = Field(None, description="remote tier: a Redis shared by replicas (redis://host:port/db) below the disk tier; None disables it")
     chunk_stat_layers: int = Field(6, ge=1, description="layers (evenly spaced) whose attention statistics are recorded for a new variant")
 
-    def recompute_rule(self):
-        """The :class:`~ragcache_backend.cache.chunk_reuse.RecomputeRule` these settings describe."""
-        from ragcache_backend.cache.chunk_reuse import RecomputeRule
+    def recompute_rule(self, model: str | None = None):
+        """The :class:`~ragcache_backend.cache.chunk_reuse.RecomputeRule` these settings describe;
+        with ``chunk_kl_target``, the CFO scale the KL calibration gives for it.
 
-        return RecomputeRule(self.chunk_recompute, self.chunk_alpha, self.chunk_share, self.chunk_leading, self.chunk_guard,
+        Args:
+            model: the loaded model's name, checked against the calibration's (None: not checked).
+
+        Raises:
+            ConfigError: ``chunk_kl_target`` set and the calibration file is missing, unreadable,
+                or was measured on another model.
+        """
+        from ragcache_backend.cache.chunk_reuse import KLCalibration, RecomputeRule
+        from ragcache_backend.errors import ConfigError
+
+        rule = RecomputeRule(self.chunk_recompute, self.chunk_alpha, self.chunk_share, self.chunk_leading, self.chunk_guard,
                              self.chunk_focus_window)
+        if self.chunk_kl_target is None:
+            return rule
+        path = self.chunk_calibration_path or Path(__file__).with_name("engine") / "chunk_calibration.json"
+        try:
+            calibration = KLCalibration.from_json_text(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"chunk_kl_target needs a KL calibration; {path} cannot be used: {exc}") from exc
+        if model is not None and calibration.model != model:
+            raise ConfigError(f"the KL calibration {path} was measured on {calibration.model!r}, not {model!r}: run "
+                              f"benchmarks/chunk_eval.py --model ... --calibration-out FILE and set chunk_calibration_path")
+        return calibration.rule(rule, self.chunk_kl_target)

@@ -41,6 +41,10 @@ class CorruptFileError(RAGCacheError):
     """A persisted file (profile, index, document store, KV file) fails its checksum or schema."""
 
 
+class ConfigError(RAGCacheError, ValueError):
+    """Settings that cannot be used as given (e.g. a KL target with no calibration for the model)."""
+
+
 class UnknownPolicyError(RAGCacheError, ValueError):
     """A replacement policy name is not registered."""
 

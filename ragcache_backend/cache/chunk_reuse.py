@@ -20,10 +20,11 @@ Nothing here touches tensors: the runner records the attention sums, the schedul
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(slots=True, frozen=True)
@@ -228,6 +229,15 @@ class RecomputeRule:
     guard: float | None = None
     focus_window: int | None = None
     added_context: bool = True
+
+    @property
+    def key(self) -> str:
+        """A short id of everything that shapes the KV this rule produces (12 hex characters): part
+        of the key of every approximate node built under it, so that KV approximated under one rule
+        never serves a request that asked for another."""
+        text = (f"{self.kind};{self.alpha!r};{self.share!r};{self.leading};{self.guard!r};{self.focus_window};"
+                f"{int(self.added_context)}")
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
 
     def __post_init__(self) -> None:
         if self.kind not in ("cfo", "all", "none", "leading", "share", "blend"):
@@ -461,3 +471,86 @@ def preload_depth(num_layers: int, t_prefill: float, t_load: float) -> int:
     if num_layers < 1 or t_prefill <= 0 or t_load <= 0:
         raise ValueError(f"preload_depth: need L >= 1 and positive times, got {num_layers}, {t_prefill}, {t_load}")
     return min(num_layers, max(1, math.ceil((num_layers - 1) * (1 - t_prefill / t_load) + 1 - 1e-9)))
+
+
+# ---- a recompute budget from a KL target (issue 24) -----------------------------------------------
+
+@dataclass(slots=True, frozen=True)
+class KLCalibration:
+    """How far Cache-Craft's CFO rule at each scale ``alpha`` moved a model's next-token distribution
+    from full prefill, measured on real requests (``benchmarks/chunk_eval.py --calibration-out``):
+    teacher-forced over the full prefill's greedy answer, the mean per-token KL(p_full || p_reuse)
+    in nats. It turns a KL target into a rule: the smallest ``alpha`` (least recomputation) whose
+    measured KL is within the target.
+
+    Attributes:
+        model: the model it was measured on (``LoadedModel.name``).
+        dtype: the KV dtype it was measured in (``"float32"``, ``"bfloat16"``).
+        alphas: the CFO scales measured, ascending.
+        kl: mean KL at each of ``alphas``, nats per token (>= 0, finite).
+        no_recompute_kl: mean KL with reuse and no recomputation (RoPE fixed only), nats per token.
+        target: the KL target the measurement was run for, nats per token.
+        requests: requests measured.
+
+    Raises:
+        ValueError: ``alphas`` empty, not ascending or negative; ``kl`` not aligned with them;
+            a negative or non-finite KL or target.
+    """
+
+    model: str
+    dtype: str
+    alphas: tuple[float, ...]
+    kl: tuple[float, ...]
+    no_recompute_kl: float
+    target: float
+    requests: int
+
+    def __post_init__(self) -> None:
+        if not self.alphas or len(self.kl) != len(self.alphas) or list(self.alphas) != sorted(set(self.alphas)) \
+                or self.alphas[0] < 0:
+            raise ValueError(f"calibration: alphas {self.alphas} must be distinct, ascending and >= 0, one KL each")
+        for x in (*self.kl, self.no_recompute_kl, self.target):
+            if not math.isfinite(x) or x < 0:
+                raise ValueError(f"calibration: KL values and the target must be finite and >= 0, got {x}")
+
+    def rule(self, base: RecomputeRule, target: float | None = None) -> RecomputeRule:
+        """``base`` with the smallest measured ``alpha`` whose KL is at most ``target`` (default: the
+        calibration's own); a target of 0, or one no measured alpha meets, recomputes every token
+        (``kind="all"``: the output equals full prefill).
+
+        Raises:
+            ValueError: a negative or non-finite target.
+        """
+        target = self.target if target is None else target
+        if not isinstance(target, (int, float)) or not math.isfinite(target) or target < 0:
+            raise ValueError(f"the KL target must be a finite number >= 0 (nats per token), got {target!r}")
+        if target > 0:
+            for alpha, kl in zip(self.alphas, self.kl):
+                if kl <= target:
+                    return replace(base, kind="cfo", alpha=alpha)
+        return replace(base, kind="all")
+
+    def to_json_text(self) -> str:
+        return json.dumps(self.to_json(), indent=1, allow_nan=False)
+
+    def to_json(self) -> dict:
+        return {"version": 1, "model": self.model, "dtype": self.dtype, "alphas": list(self.alphas), "kl": list(self.kl),
+                "no_recompute_kl": self.no_recompute_kl, "target": self.target, "requests": self.requests}
+
+    @staticmethod
+    def from_json_text(text: str) -> KLCalibration:
+        """The inverse of :meth:`to_json_text` (plain JSON).
+
+        Raises:
+            ValueError: not JSON, another version, a missing or mistyped field, or values
+                :class:`KLCalibration` refuses.
+        """
+        try:
+            d = json.loads(text)
+            if not isinstance(d, dict) or d.get("version") != 1:
+                raise ValueError("not a version-1 KL calibration")
+            return KLCalibration(str(d["model"]), str(d["dtype"]), tuple(float(a) for a in d["alphas"]),
+                                 tuple(float(k) for k in d["kl"]), float(d["no_recompute_kl"]), float(d["target"]),
+                                 int(d["requests"]))
+        except (KeyError, TypeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"bad KL calibration: {exc!r}") from exc

@@ -45,7 +45,7 @@ from ragcache_backend.model.forward import MAX_STAT_SEGMENTS, ForwardInput, Segm
 from ragcache_backend.prompts.builder import PromptPlan, Segment, SegmentKind, split_blocks
 
 __all__ = ["ChunkLayout", "chunk_deviations", "complete_pieces", "context_parts", "copy_variants", "decode_input",
-           "guard_flags", "lead_specs", "prefill_chunk_input", "prefill_input", "prefill_tokens", "recomputed_tokens",
+           "guard_flags", "lead_specs", "prefill_chunk_input", "prefill_input", "prefill_tokens", "recomputed_tokens", "rows_from",
            "tail_block_specs", "variant_stats"]
 
 _REST_KEY = "<rest>"
@@ -130,6 +130,8 @@ def prefill_input(plan: PromptPlan, lease: Lease, *, rule: RecomputeRule, guard:
         rule: the recompute rule (its guard, CacheBlend-style selection and Algorithm 1 window).
         guard: ask for the KV deviation when the rule has a guard (False for the guard's own pass).
         full: indices of reused pieces to recompute in full (the guard's second pass: no row stops).
+            The pieces before the first of them are not computed again (their KV, written by the
+            first pass, did not depend on what follows): their rows are empty in the layout.
 
     Returns:
         the input and its :class:`ChunkLayout`.
@@ -137,11 +139,15 @@ def prefill_input(plan: PromptPlan, lease: Lease, *, rule: RecomputeRule, guard:
     lead = plan.lead
     n_prefix = len(lease.prefix)
     pos = lease.cached_tokens
+    first = min(full, default=0)
     new_tokens: list[int] = []
     positions: list[int] = []
     rows: list[tuple[int, ...]] = []
     for i, (piece, seg) in enumerate(zip(lease.pieces, lead[n_prefix:])):
-        offsets = range(piece.spec.num_tokens) if piece.use is None or i in full else piece.use.recompute
+        if i < first:
+            offsets = range(0)
+        else:
+            offsets = range(piece.spec.num_tokens) if piece.use is None or i in full else piece.use.recompute
         rows.append(tuple(range(len(new_tokens), len(new_tokens) + len(offsets))))
         new_tokens.extend(seg.token_ids[o] for o in offsets)
         positions.extend(pos + o for o in offsets)
@@ -158,10 +164,13 @@ def prefill_input(plan: PromptPlan, lease: Lease, *, rule: RecomputeRule, guard:
         focus = _focus(lead, lease, rows, len(new_tokens), rule.focus_window)
     stats = tuple(stat_lengths) if stat_keys else None
     guarded = guard and rule.guard is not None and bool(reused)  # nothing reused: no deviation to measure
-    if len(positions) == pos + len(plan.rest) - lease.cached_tokens and blend is None and focus is None:
-        # every token past the prefix is computed through every layer: an ordinary prefill over the
-        # prefix, which takes the causal kernels instead of a masked one (always so in exact mode)
-        item = ForwardInput(tuple(new_tokens), runs[:n_prefix], runs[n_prefix:], stat_segments=stats, guard=guarded)
+    skipped = sum(p.spec.num_tokens for p in lease.pieces[:first])
+    if len(positions) == pos + len(plan.rest) - lease.cached_tokens - skipped and blend is None and focus is None:
+        # every token past the prefix (and the pieces a second pass keeps) is computed through every
+        # layer: an ordinary prefill over them, which takes the causal kernels instead of a masked one
+        # (always so in exact mode)
+        item = ForwardInput(tuple(new_tokens), runs[:n_prefix + first], runs[n_prefix + first:], stat_segments=stats,
+                            guard=guarded)
     else:
         item = ForwardInput(tuple(new_tokens), runs, (), positions=tuple(positions), stat_segments=stats,
                             guard=guarded, blend=blend, focus=focus)
@@ -281,6 +290,18 @@ def recomputed_tokens(lease: Lease, layout: ChunkLayout, depth: Sequence[int] | 
             continue
         total += sum(depth[r] for r in rows) / num_layers if depth is not None else len(rows)
     return round(total)
+
+
+def rows_from(layout: ChunkLayout, first: int, rest_tokens: int, depth: Sequence[int] | None, num_layers: int) -> int:
+    """Rows a prefill computed for piece ``first`` and every later piece and the prompt's rest, in
+    full-depth equivalents (a row computed through ``l`` of ``L`` layers counts ``l / L``): the
+    work the guard's second pass, which starts at piece ``first``, does again."""
+    rows = [r for piece_rows in layout.rows[first:] for r in piece_rows]
+    last = max((r for piece_rows in layout.rows for r in piece_rows), default=-1)
+    rows += list(range(last + 1, last + 1 + rest_tokens))
+    if depth is None:
+        return len(rows)
+    return round(sum(depth[r] for r in rows) / num_layers)
 
 
 def variant_stats(lease: Lease, layout: ChunkLayout, attention: SegmentAttention | None) -> list[VariantStats | None]:

@@ -50,7 +50,7 @@ from ragcache_backend.engine.scheduler import PrefillChunk
 from ragcache_backend.engine.setup import EngineParts
 from ragcache_backend.errors import CacheBudgetError, InvalidRequestError, RAGCacheError, RequestCancelledError
 from ragcache_backend.model.forward import StepOutput
-from ragcache_backend.model.sampling import choose_token
+from ragcache_backend.model.sampling import SampledToken, choose_token
 from ragcache_backend.prompts.builder import PromptPlan, Segment, plan_prompt
 
 log = logging.getLogger("ragcache_backend.engine.engine")
@@ -121,7 +121,7 @@ class EngineCore:
         self.grammars = parts.grammars
         self.store = store
         self.stats = EngineStats()
-        self._rule = parts.config.recompute_rule()
+        self._rule = parts.config.recompute_rule(parts.loaded.name)
         self._check = os.environ.get(CHECK_INVARIANTS_ENV, "") == "1"
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[int, Request] = {}
@@ -134,6 +134,12 @@ class EngineCore:
         self._queued_lock = threading.Lock()
 
     # ---- the loop thread -------------------------------------------------------------------------
+    @property
+    def recompute_rule(self):
+        """The chunk modes' :class:`~ragcache_backend.cache.chunk_reuse.RecomputeRule` (from the
+        settings; with ``chunk_kl_target``, the calibrated CFO scale)."""
+        return self._rule
+
     def _enqueue(self, req: Request) -> None:
         """Hand a new request to the loop (starting its thread on first use)."""
         self._ensure_thread()
@@ -321,7 +327,7 @@ class EngineCore:
         if req.plan.repeat is not None and req.plan.rest_blocks:  # an exact repeat: the prompt's last block is cached
             path = (*req.plan.lead, req.plan.repeat)
             if self.cache.holds([s.key for s in path], [s.token_ids for s in path],
-                                approximate=req.reuse != "exact" and req.recompute.kind != "all"):
+                                approximate=req.reuse != "exact" and req.recompute.kind != "all", rule=req.recompute.key):
                 req.plan = req.plan.with_repeat()
         chunks = req.reuse != "exact" and bool(req.plan.lead)
         tail = req.rest_tokens + req.sampling.max_tokens
@@ -408,7 +414,9 @@ class EngineCore:
         """Guard, statistics and commit of a prefill; returns the first token's logits.
 
         In the chunk modes a reused chunk whose recomputed tokens moved too far (the quality guard)
-        is recomputed in full, with everything after it, in a second forward of this request alone.
+        is recomputed in full, with everything after it, in a second forward of this request alone;
+        what precedes the first flagged chunk keeps the first pass's KV (and statistics). The first
+        pass's rows that the second computes again are counted (``guard_tokens``).
         An exact prefill (``layout`` None; maybe chunked) reused nothing but its prefix: no guard,
         no variant, and the segments earlier chunks completed are in the tree already."""
         lease, layout = req.lease, req.layout
@@ -422,13 +430,18 @@ class EngineCore:
         deviations = batch.chunk_deviations(lease, layout, out.deviation[index])
         req.deviation = max(deviations.values(), default=0.0)
         flagged = batch.guard_flags(deviations, req.recompute.guard)
+        stats = batch.variant_stats(lease, layout, attention) if req.store else []
         if flagged:
+            first = min(flagged)
+            req.guard_tokens = batch.rows_from(layout, first, req.rest_tokens, depth, self.runner.num_layers)
             item, layout = batch.prefill_input(req.plan, lease, rule=req.recompute, guard=False, full=flagged)
             again = self.runner.forward_step([item])
             logits, attention, depth = again.logits[0], again.attention[0], again.depth[0]
             for i in flagged:  # computed in full now: no longer served from a variant
                 lease.pieces[i].use = None
             req.guarded = len(flagged)
+            if req.store:  # the pieces before the first flagged one kept the first pass's KV and statistics
+                stats = stats[:first] + batch.variant_stats(lease, layout, attention)[first:]
         req.recomputed = batch.recomputed_tokens(lease, layout, depth, self.runner.num_layers)
         # cached = exact prefix nodes + approximate ones (earlier chunk reuse) + reused chunks not recomputed
         req.chunk_cached = (lease.approximate_prefix_tokens - req.recomputed
@@ -436,16 +449,22 @@ class EngineCore:
         req.computed = req.prompt_tokens - (lease.cached_tokens - lease.approximate_prefix_tokens) - req.chunk_cached
         req.handle.metrics.computed_tokens = req.computed
         if req.store:
-            self.cache.commit(lease, req.rest_tokens, batch.variant_stats(lease, layout, attention))
+            self.cache.commit(lease, req.rest_tokens, stats)
         return logits
 
     # ---- tokens and results ----------------------------------------------------------------------
     def _after_token(self, req: Request, logits: torch.Tensor) -> None:
         try:
-            allowed = req.matcher.allowed(logits.shape[-1]) if req.matcher is not None else None
-            choice = choose_token(logits, req.sampling, req.generator, prompt_ids=req.penalty_ids,
-                                  generated=req.generated, allowed=allowed)
+            if req.teacher:  # teacher forcing: keep the logits, feed the given token
+                req.forced.append(logits.float().clone())
+                choice = SampledToken(req.teacher[len(req.generated)])
+            else:
+                allowed = req.matcher.allowed(logits.shape[-1]) if req.matcher is not None else None
+                choice = choose_token(logits, req.sampling, req.generator, prompt_ids=req.penalty_ids,
+                                      generated=req.generated, allowed=allowed)
             reason = req.accept(choice, self.stop_ids)
+            if reason is not None and req.teacher:
+                req.handle.forced_logits = torch.stack(req.forced)
         except Exception as exc:  # e.g. the caller's on_text raised
             self._fail(req, exc)
             return
@@ -513,7 +532,7 @@ class EngineCore:
         req.retried = True
         req.plan = self.prompt_plan(req.segments, use_cache=False)
         req.reuse = "exact"
-        req.computed = req.recomputed = req.chunk_cached = req.guarded = 0
+        req.computed = req.recomputed = req.chunk_cached = req.guarded = req.guard_tokens = 0
         req.deviation = 0.0
         self.stats.retried += 1
         self.scheduler.remove(req.rid)

@@ -163,6 +163,7 @@ class RAGCacheEngine(EngineCore):
         recompute: RecomputeRule | None = None,
         store: bool = True,
         cache_salt: str | None = None,
+        teacher_tokens: Sequence[int] | None = None,
     ) -> RequestHandle:
         """Queue an already segmented prompt on the step loop and return its handle at once.
 
@@ -184,13 +185,24 @@ class RAGCacheEngine(EngineCore):
             cache_salt: a tenant's salt (at most 256 characters): every segment key is salted, so
                 KV computed under one salt is never served under another (any tier, chunk caches
                 included); None or "" = the shared, unsalted cache.
+            teacher_tokens: teacher forcing (evaluation of approximate reuse): these tokens are fed
+                one per step instead of sampled ones (``sampling`` is then ignored past the window
+                check, done with ``max_tokens = len(teacher_tokens)``), and the logits that
+                predicted each are kept on the handle (``forced_logits``, float32 ``[n, vocab]``).
+                A stop token among them ends the request there.
 
         Raises (at once, nothing queued):
             InvalidRequestError: no segments, an unknown reuse mode, a ``logit_bias`` token id
                 outside the vocabulary. GrammarError: ``sampling.grammar`` does not compile.
             ContextWindowError. EngineClosedError.
+            InvalidRequestError also: ``teacher_tokens`` empty or holding an id outside the vocabulary.
         """
         sampling = sampling or SamplingParams()
+        teacher = tuple(int(t) for t in teacher_tokens) if teacher_tokens is not None else ()
+        if teacher_tokens is not None:
+            if not teacher or min(teacher) < 0 or max(teacher) >= self.runner.vocab_size:
+                raise InvalidRequestError(f"teacher_tokens must be 1 or more ids in [0, {self.runner.vocab_size})")
+            sampling = SamplingParams(max_tokens=len(teacher))
         if not segments:
             raise InvalidRequestError("a prompt needs at least one segment")
         if cache_salt:
@@ -218,7 +230,7 @@ class RAGCacheEngine(EngineCore):
             text=IncrementalText(self.loaded.tokenizer, sampling.stop), cancel=cancel or threading.Event(),
             keep_logits=keep_logits, reuse=mode, recompute=recompute or self._rule, store=store,
             generator=torch.Generator().manual_seed(seed) if seed is not None else None,
-            matcher=matcher, penalty_ids=penalty_ids,
+            matcher=matcher, penalty_ids=penalty_ids, teacher=teacher,
         )
         self._enqueue(req)
         return handle

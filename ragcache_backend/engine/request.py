@@ -61,6 +61,9 @@ class GenerationResult:
         guarded_chunks: reused chunks the quality guard sent back to full recomputation.
         chunk_deviation: the quality guard's signal: the largest mean relative change of a reused
             chunk's recomputed K/V (0.0 when nothing was recomputed or the guard was off).
+        guard_tokens: prompt rows the quality guard's second pass computed again (the first pass's
+            rows from the first flagged chunk on, full-depth equivalents); the work of the prefill
+            is ``computed_tokens + guard_tokens``.
         search_s: a pipelined request (RAGCache §5.3): seconds of its vector search, from the
             question to the final top-k; 0.0 for a request given its documents.
         unoverlapped_search_s: the part of ``search_s`` not overlapped with the generation that
@@ -95,6 +98,7 @@ class GenerationResult:
     chunk_hits: int = 0
     guarded_chunks: int = 0
     chunk_deviation: float = 0.0
+    guard_tokens: int = 0
     disk_hits: int = 0
     search_s: float = 0.0
     unoverlapped_search_s: float = 0.0
@@ -148,7 +152,7 @@ class RequestHandle:
     when cancelled, the typed error of a request that cannot run, or the forward's error.
     """
 
-    __slots__ = ("rid", "future", "metrics", "first_logits", "_cancel")
+    __slots__ = ("rid", "future", "metrics", "first_logits", "forced_logits", "_cancel")
 
     def __init__(self, rid: int, cancel: Callable[[int], None]) -> None:
         self.rid = rid
@@ -156,6 +160,9 @@ class RequestHandle:
         self.metrics = RequestMetrics(submitted=time.perf_counter())
         #: float32 ``[vocab]`` logits of the prompt's last token, kept only when asked for.
         self.first_logits: torch.Tensor | None = None
+        #: with teacher forcing (``submit_segments(teacher_tokens=...)``): float32 ``[n, vocab]``, the
+        #: logits that predicted each of the ``n`` forced tokens (row 0: the prompt's last token's).
+        self.forced_logits: torch.Tensor | None = None
         self._cancel = cancel
         self.future.add_done_callback(self._on_done)
 
@@ -208,12 +215,16 @@ class Request:
         chunk_cached: tokens served from chunk variants without recomputation.
         guarded: reused chunks the quality guard recomputed in full.
         deviation: the guard's signal (see ``GenerationResult.chunk_deviation``).
+        guard_tokens: rows the guard's second pass computed again (``GenerationResult.guard_tokens``).
         layout: how the prefill's rows map to the lease's pieces
             (:class:`~ragcache_backend.engine.batch.ChunkLayout`).
         retried: the request failed before its first token and runs again by recomputation.
         matcher: the grammar's state (constrained decoding), or None.
         penalty_ids: the prompt's token ids when a repetition penalty needs them, else empty.
         logprobs: the sampled tokens with their log-probabilities (``sampling.logprobs`` set).
+        teacher: teacher forcing (evaluation): these tokens are fed instead of sampled ones and
+            each step's logits kept (``forced``); empty: ordinary sampling.
+        forced: the logits kept under teacher forcing, one ``[vocab]`` float32 row per step.
     """
 
     rid: int
@@ -239,11 +250,14 @@ class Request:
     chunk_cached: int = 0
     guarded: int = 0
     deviation: float = 0.0
+    guard_tokens: int = 0
     layout: object | None = None
     retried: bool = False
     matcher: GrammarMatcher | None = None
     penalty_ids: tuple[int, ...] = ()
     logprobs: list[SampledToken] = field(default_factory=list)
+    teacher: tuple[int, ...] = ()
+    forced: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def prompt_tokens(self) -> int:
@@ -322,5 +336,6 @@ class Request:
             chunk_hits=lease.chunk_hits if lease else 0,
             guarded_chunks=self.guarded,
             chunk_deviation=self.deviation,
+            guard_tokens=self.guard_tokens,
             logprobs=tuple(self.logprobs),
         )

@@ -190,3 +190,33 @@ def test_added_context_factor_counts_context_the_variant_never_saw():
     assert choose_with_rule([C3], ("C1", "C9", "C2"), rule, (2, 6, 4)).recompute == ()  # the paper's formula
     with pytest.raises(ValueError):
         added_context_factor(C3, ("C1",), (2, 3))
+
+
+def test_the_recompute_rules_key_names_everything_that_shapes_its_kv():
+    base = RecomputeRule()
+    assert base.key == RecomputeRule().key and len(base.key) == 12
+    others = [RecomputeRule(alpha=2.5), RecomputeRule(guard=0.3), RecomputeRule("share"), RecomputeRule(focus_window=3),
+              RecomputeRule(added_context=False), RecomputeRule("leading", leading=16)]
+    assert len({base.key, *(r.key for r in others)}) == 1 + len(others)
+
+
+def test_a_kl_calibration_turns_a_target_into_the_least_recomputing_scale():
+    from ragcache_backend.cache.chunk_reuse import KLCalibration
+
+    cal = KLCalibration("m", "float32", (0.5, 1.0, 2.0, 4.0), (0.02, 0.008, 0.003, 0.001), 0.04, 0.004, 12)
+    base = RecomputeRule(guard=0.2)
+    assert cal.rule(base) == RecomputeRule("cfo", alpha=2.0, guard=0.2)  # its own target: 0.004
+    assert cal.rule(base, 0.02).alpha == 0.5 and cal.rule(base, 0.0085).alpha == 1.0
+    assert cal.rule(base, 0.0).kind == "all"  # 0: recompute everything
+    assert cal.rule(base, 1e-5).kind == "all"  # no measured scale meets it
+    for bad in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="KL target"):
+            cal.rule(base, bad)
+    assert KLCalibration.from_json_text(cal.to_json_text()) == cal
+    for text in ("{", '{"version": 2}', cal.to_json_text().replace('"kl"', '"kx"')):
+        with pytest.raises(ValueError):
+            KLCalibration.from_json_text(text)
+    with pytest.raises(ValueError):
+        KLCalibration("m", "float32", (1.0, 0.5), (0.1, 0.2), 0.1, 0.01, 1)  # not ascending
+    with pytest.raises(ValueError):
+        KLCalibration("m", "float32", (1.0,), (float("nan"),), 0.1, 0.01, 1)

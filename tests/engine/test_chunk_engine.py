@@ -10,6 +10,7 @@ from ragcache_backend.config import EngineConfig
 from ragcache_backend.engine.engine import RAGCacheEngine
 from ragcache_backend.errors import ContextWindowError, InvalidRequestError
 from ragcache_backend.model.sampling import SamplingParams
+from ragcache_backend.prompts.builder import SegmentKind
 
 DOCS = [
     "The global interpreter lock (GIL) lets one thread run Python bytecode at a time. " * 6,
@@ -97,6 +98,77 @@ def test_the_guard_recomputes_a_chunk_that_moved_too_far(tiny_model, fixed_profi
     assert (res.first_logits - ref).abs().max().item() < 1e-4  # every chunk recomputed: exact again
     assert eng.cache.num_variants > 3  # the recomputed chunks are kept as variants for this context
     assert_clean(eng)
+
+
+def test_the_guards_second_pass_starts_at_the_first_flagged_chunk_and_is_counted(tiny_model, fixed_profile):
+    eng = make(tiny_model, fixed_profile, chunk_guard=1e-6, chunk_recompute="share", chunk_share=0.2)
+    eng.generate("What is the GIL?", DOCS[:3], GREEDY)
+    # DOCS[0] is the tree's exact prefix, DOCS[3] is new (computed in full), DOCS[1] moved: reused, flagged
+    docs = [DOCS[0], DOCS[3], DOCS[1]]
+    segs, _ = eng.segments_for("What is the GIL?", docs, GREEDY)
+    ref, _ = eng.first_token_logits(segs, use_cache=False)
+    handle = eng.submit_segments(segs, GREEDY, keep_logits=True)
+    out = handle.result()
+    assert out.guarded_chunks == 1 and out.chunk_hits == 0
+    assert (handle.first_logits - ref).abs().max().item() < 1e-4  # exact again
+    doc_segs = [s for s in segs if s.kind is SegmentKind.DOCUMENT]
+    new_doc, moved = len(doc_segs[1]), len(doc_segs[2])
+    last_doc = max(i for i, s in enumerate(segs) if s.kind is SegmentKind.DOCUMENT)
+    tail = sum(len(s) for s in segs[last_doc + 1:])
+    # the first pass computed DOCS[3] in full, ~20% of DOCS[1] and the tail; the second pass redoes
+    # DOCS[1]'s rows and the tail only (DOCS[3] keeps its KV)
+    assert tail <= out.guard_tokens <= round(0.2 * moved) + 1 + tail and out.guard_tokens < new_doc
+    assert out.computed_tokens == new_doc + moved + tail
+    assert_clean(eng)
+
+
+def test_teacher_forcing_feeds_the_given_tokens_and_keeps_every_steps_logits(tiny_model, fixed_profile):
+    eng = make(tiny_model, fixed_profile)
+    segs, _ = eng.segments_for("What is the GIL?", DOCS[:2], GREEDY)
+    free = eng.submit_segments(segs, GREEDY, keep_logits=True, use_cache=False)
+    ref = free.result()
+    forced = eng.submit_segments(segs, keep_logits=True, use_cache=False, teacher_tokens=ref.token_ids)
+    res = forced.result()
+    assert res.token_ids == ref.token_ids and forced.forced_logits.shape == (len(ref.token_ids), eng.runner.vocab_size)
+    assert forced.forced_logits.dtype is not None and (forced.forced_logits[0] - free.first_logits).abs().max() < 1e-5
+    assert forced.forced_logits.argmax(-1).tolist() == list(ref.token_ids)  # greedy: each step's argmax is the token fed
+    other = [t for t in reversed(ref.token_ids)]  # any tokens are fed, not sampled
+    assert eng.submit_segments(segs, use_cache=False, teacher_tokens=other).result().token_ids == tuple(other)
+    for bad in ([], [eng.runner.vocab_size], [-1]):
+        with pytest.raises(InvalidRequestError):
+            eng.submit_segments(segs, teacher_tokens=bad)
+    assert_clean(eng)
+
+
+def test_a_kl_target_picks_the_calibrated_cfo_scale(tiny_model, fixed_profile, tmp_path):
+    from ragcache_backend.cache.chunk_reuse import KLCalibration
+    from ragcache_backend.errors import ConfigError
+
+    cal = KLCalibration(tiny_model.name, "float32", (0.5, 1.0, 2.0), (0.03, 0.01, 0.002), 0.05, 0.005, 10)
+    path = tmp_path / "cal.json"
+    path.write_text(cal.to_json_text())
+    eng = make(tiny_model, fixed_profile, chunk_kl_target=0.01, chunk_calibration_path=path)
+    assert eng.recompute_rule.kind == "cfo" and eng.recompute_rule.alpha == 1.0
+    eng.close()
+    eng = make(tiny_model, fixed_profile, chunk_kl_target=0.0, chunk_calibration_path=path)  # 0: full recompute
+    assert eng.recompute_rule.kind == "all"
+    segs, _ = eng.segments_for("What is the GIL?", DOCS[:3], GREEDY)
+    eng.submit_segments(segs, GREEDY).result()
+    segs, _ = eng.segments_for("Why?", [DOCS[2], DOCS[0]], GREEDY)
+    ref, _ = eng.first_token_logits(segs, use_cache=False)
+    got, _ = eng.first_token_logits(segs, store=False)
+    assert (got - ref).abs().max().item() < 1e-4
+    eng.close()
+    with pytest.raises(ValueError):
+        EngineConfig(chunk_kl_target=-0.1)
+    with pytest.raises(ValueError):
+        EngineConfig(chunk_kl_target=float("nan"))
+    with pytest.raises(ConfigError, match="calibration"):
+        make(tiny_model, fixed_profile, chunk_kl_target=0.01, chunk_calibration_path=tmp_path / "missing.json")
+    other = tmp_path / "other.json"
+    other.write_text(KLCalibration("another-model", "float32", (1.0,), (0.01,), 0.05, 0.005, 10).to_json_text())
+    with pytest.raises(ConfigError, match="another-model"):
+        make(tiny_model, fixed_profile, chunk_kl_target=0.01, chunk_calibration_path=other)
 
 
 def test_bad_input_in_chunk_mode(tiny_model, fixed_profile):
