@@ -73,8 +73,8 @@ def main() -> None:
 
     info = machine()
     runner = ModelRunner(load_model(None, dtype="float32"), num_device_blocks=-(-args.context // BLOCK) + 1, block_size=BLOCK)
-    print(f"{info['cpu']} ({info['isa']}), {args.threads} threads, {info['date']}; path {runner.kernel_tag}, "
-          f"explicit positions on the kernel: {runner.layers.native_positions}", flush=True)
+    print(f"{info['cpu']} ({info['isa']}), {args.threads} threads, {info['date']}, load average {os.getloadavg()[0]:.2f}; "
+          f"path {runner.kernel_tag}, explicit positions on the kernel: {runner.layers.native_positions}", flush=True)
     s = args.context
     blocks = tuple(range(-(-s // BLOCK)))
     toks = torch.randint(10, runner.vocab_size - 10, (s,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -117,8 +117,11 @@ def main() -> None:
 
     result = {"machine": info, "model": runner.loaded.name, "kernel_tag": runner.kernel_tag, "context": s,
               "threads": args.threads, "repeats": args.repeats, "cases": []}
-    print(f"\ncontext {s} tokens, chunks {ranges}; per-token ms, median (min) of {args.repeats}")
-    print(f"{'share':>6} {'N':>5} " + " ".join(f"{m:>20}" for m in modes) + "  (b)/(a)" + ("  torch/(a)" if len(modes) > 2 else ""))
+    result["load_end"] = os.getloadavg()[0]
+    print(f"\ncontext {s} tokens, chunks {ranges}; per-token ms, median (min) of {args.repeats}; "
+          f"load average at the end {result['load_end']:.2f}")
+    print(f"{'share':>6} {'N':>5} " + " ".join(f"{m:>20}" for m in modes) + "  (b)/(a)"
+          + ("  torch/(a)" if len(modes) > 2 else ""))
     for share, pos, times in cases:
         med = {m: statistics.median(times[m]) for m in modes}
         row = {"share": share, "tokens": len(pos), **{f"{m}_ms_per_token": med[m] * 1e3 for m in modes},
