@@ -75,7 +75,13 @@ class ChunkRows:
         context: ``[S]`` arena slots of its context in position order.
         positions: ``[T]`` positions of the rows still computed.
         write: ``[T]`` their slots.
-        bias: ``[T, S]`` additive mask for explicit positions, else None (ordinary suffix).
+        explicit: the rows sit at explicit positions inside the context (else: an ordinary suffix).
+        native: the native kernel computes their attention over explicit positions (set by
+            :meth:`~ragcache_backend.model.forward.StepRows.plan_native`); else :meth:`after_write`
+            does, with the masked torch attention.
+        bias: ``[T, S]`` additive mask of the explicit positions in ``dtype``, built on first use by
+            the torch attention (None until then, and after rows stop).
+        dtype: the model dtype (the mask's).
         alive: ``[T]`` original row index of each row still computed.
         segments, num_segments: statistics segment of every context key (None: no statistics).
         mass: ``[n, nseg]`` float32 attention mass per original row, summed over heads and layers.
@@ -95,7 +101,8 @@ class ChunkRows:
     context: torch.Tensor
     positions: torch.Tensor
     write: torch.Tensor
-    bias: torch.Tensor | None
+    explicit: bool
+    dtype: torch.dtype
     alive: torch.Tensor
     segments: torch.Tensor | None
     num_segments: int
@@ -107,6 +114,8 @@ class ChunkRows:
     focus: FocusSelection | None = None
     focus_segments: torch.Tensor | None = None
     tracker: FocusTracker | None = None
+    native: bool = False
+    bias: torch.Tensor | None = None
     stopped: dict[int, int] = field(default_factory=dict)
     focus_layer: int = 0
     window_bias: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -125,10 +134,6 @@ class ChunkRows:
                 outside [0, 1], a focus window below 1 or chunk ranges outside the context.
         """
         s, dev = context.numel(), context.device
-        bias = None
-        if explicit:
-            mask = position_mask(positions.cpu(), s)
-            bias = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf")).to(dev)
         segments, mass = None, None
         if stat_segments is not None:
             if sum(stat_segments) != s or min(stat_segments, default=0) < 1 or len(stat_segments) > max_segments:
@@ -152,15 +157,11 @@ class ChunkRows:
             tracker = FocusTracker(window=focus.window)
         write = context.index_select(0, positions) if explicit else context[s - n:]
         track = guard or blend is not None
-        return ChunkRows(index, row, row + n, context, positions, write, bias, torch.arange(n, device=dev), segments,
+        return ChunkRows(index, row, row + n, context, positions, write, explicit, dtype, torch.arange(n, device=dev), segments,
                          len(stat_segments or ()), mass,
                          torch.zeros(n, dtype=torch.float32, device=dev) if track else None,
                          torch.zeros(n, dtype=torch.float32, device=dev) if track else None,
                          guard, blend, focus, focus_segments, tracker)
-
-    @property
-    def explicit(self) -> bool:
-        return self.bias is not None
 
     # ---- per layer -------------------------------------------------------------------------------
     def before_write(self, kc: torch.Tensor, vc: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -170,7 +171,11 @@ class ChunkRows:
         return None
 
     def _bias(self, window: int | None) -> torch.Tensor:
-        """The explicit positions' mask, limited to a sliding window (keys ``pos - window + 1 .. pos``)."""
+        """The explicit positions' additive mask ``[T, S]`` (keys ``0 .. pos``), limited to a sliding
+        window (keys ``pos - window + 1 .. pos``); built on first use."""
+        if self.bias is None:
+            mask = position_mask(self.positions.cpu(), self.context.numel())
+            self.bias = torch.zeros(mask.shape, dtype=self.dtype).masked_fill_(~mask, float("-inf")).to(self.context.device)
         if window is None:
             return self.bias
         if window not in self.window_bias:
@@ -181,14 +186,15 @@ class ChunkRows:
 
     def after_write(self, before, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, a: torch.Tensor, layer: int,
                     scale: float, attention: Callable, stat_layer: bool, window: int | None = None) -> None:
-        """After the rows' K/V were written: attention over explicit positions (into ``a``),
-        statistics, deviation, Algorithm 1's update; ``window`` is the layer's sliding window (None:
-        full attention)."""
+        """After the rows' K/V were written: attention over explicit positions (into ``a``, unless
+        the native kernel already computed it: :attr:`native`), statistics, deviation, Algorithm 1's
+        update; ``window`` is the layer's sliding window (None: full attention)."""
         qs = q[self.lo : self.hi]
         stats = self.mass is not None and stat_layer
-        need_k = self.explicit or stats or self.focus is not None
+        masked = self.explicit and not self.native
+        need_k = masked or stats or self.focus is not None
         ctx_k = kc.index_select(0, self.context) if need_k else None
-        if self.explicit:
+        if masked:
             a[self.lo : self.hi] = attention(qs, ctx_k, vc.index_select(0, self.context), scale=scale, mask=self._bias(window))
         if stats:  # one query head per KV head (heads of a group see the same keys)
             group = qs.shape[1] // ctx_k.shape[1]
@@ -248,7 +254,6 @@ class ChunkRows:
         self.alive = self.alive.index_select(0, local_keep)
         self.positions = self.positions.index_select(0, local_keep)
         self.write = self.write.index_select(0, local_keep)
-        if self.bias is not None:
-            self.bias = self.bias.index_select(0, local_keep)
+        self.bias = None  # rebuilt from the kept positions on first use
         self.window_bias.clear()
         self.lo, self.hi = new_lo, new_lo + local_keep.numel()

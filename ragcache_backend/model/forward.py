@@ -121,7 +121,10 @@ class StepRows:
             positions).
         decode: per sequence, whether its one new token is a generated token.
         chunks: the :class:`~ragcache_backend.model.chunk_rows.ChunkRows` of the chunk-cache sequences.
-        native_batch: the native kernel's batch over the ordinary sequences (None: none, or no kernel).
+        native_positions: the native kernel also serves the sequences at explicit positions (the
+            float32 kernel: :func:`~ragcache_backend.model.kernels.native.takes_positions`); else
+            their attention is the masked torch one (``ChunkRows.after_write``).
+        native_batch: the native kernel's batch over the sequences it serves (None: none, or no kernel).
         native_rows: their rows in the step (None: every row is theirs).
         rope: dtype -> ``(cos, sin)`` tables for ``positions`` (cleared when rows stop).
         gemm_rows: which rows are prompt rows, for the layer GEMMs (updated when rows stop).
@@ -140,6 +143,7 @@ class StepRows:
     context: list
     decode: list[bool]
     chunks: list[ChunkRows]
+    native_positions: bool = False
     native_batch: object | None = None
     native_rows: torch.Tensor | None = None
     rope: dict = field(default_factory=dict)
@@ -165,19 +169,26 @@ class StepRows:
         return out
 
     def plan_native(self) -> None:
-        """The native kernel's batch over the ordinary sequences (explicit positions take the torch path)."""
+        """The native kernel's batch over the step's sequences as they are now: the ordinary ones,
+        and with :attr:`native_positions` those at explicit positions (their rows' current positions;
+        rebuilt when rows stop), which otherwise take the torch path. Marks each explicit
+        sequence's :class:`~ragcache_backend.model.chunk_rows.ChunkRows` ``native`` accordingly."""
         self.native_batch = self.native_rows = None
+        explicit = {c.index: c for c in self.chunks if c.explicit}
+        on_native = self.native_attention and self.native_positions
+        for c in explicit.values():
+            c.native = on_native
         if not self.native_attention:
             return
-        explicit = {c.index for c in self.chunks if c.explicit}
-        plain = [i for i in range(len(self.lengths)) if i not in explicit]
-        if not plain:
+        served = [i for i in range(len(self.lengths)) if (i not in explicit or on_native) and self.lengths[i] > 0]
+        if not served:
             return
         offsets = self.offsets
-        self.native_batch = native.attention_batch([self.context[i] for i in plain], [self.lengths[i] for i in plain],
-                                                   [self.decode[i] for i in plain])
-        if len(plain) < len(self.lengths):
-            self.native_rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in plain])
+        self.native_batch = native.attention_batch(
+            [explicit[i].context if i in explicit else self.context[i] for i in served], [self.lengths[i] for i in served],
+            [self.decode[i] for i in served], [explicit[i].positions if i in explicit else None for i in served])
+        if len(served) < len(self.lengths):
+            self.native_rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in served])
 
     def stop_rows(self, layer: int, *rows_tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """After ``layer``: drop the rows that stop (blend, focus) from the step and from each of

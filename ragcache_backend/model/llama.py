@@ -20,8 +20,10 @@ base) is read from one :class:`~ragcache_backend.model.arch.ArchSpec`; the nativ
 what they implement (:func:`~ragcache_backend.model.arch.native_gaps`), the torch path the rest.
 
 Chunk-cache sequences (Cache-Craft §3.2-3.4) hook into every layer through their
-:class:`~ragcache_backend.model.chunk_rows.ChunkRows` (attention over explicit positions,
-statistics, deviation, rows that stop part-way: :meth:`~ragcache_backend.model.forward.StepRows.stop_rows`).
+:class:`~ragcache_backend.model.chunk_rows.ChunkRows` (statistics, deviation, rows that stop
+part-way: :meth:`~ragcache_backend.model.forward.StepRows.stop_rows`). Their rows at explicit
+positions inside the context (recomputed tokens of reused chunks) take the native float32 kernel
+with the other rows (:attr:`PagedLlama.native_positions`), else a masked torch attention.
 """
 
 from __future__ import annotations
@@ -164,6 +166,8 @@ class PagedLlama:
             global layers'; :attr:`layer_inv_freq` has every layer's).
         native_attention: attention runs on the native kernel (float32 AVX2 or bf16 AVX512-BF16).
         native_fused: the row-wise steps between the GEMMs run fused too.
+        native_positions: rows at explicit positions (chunk-cache recomputation) run on the native
+            attention kernel too (float32 only); settable, see the property.
         stat_layers: layers whose attention statistics are recorded (``stat_segments``).
     """
 
@@ -213,6 +217,26 @@ class PagedLlama:
         self.stat_layers: frozenset[int] = frozenset(range(self.num_layers))
         #: float32 decode-only steps run every layer in one native call (None: not available)
         self._decode_plan = self._build_decode_plan()
+        self._native_positions = self.native_attention and native.takes_positions(self.dtype)
+
+    @property
+    def native_positions(self) -> bool:
+        """Whether rows at explicit positions inside their context (the recomputed tokens of reused
+        chunks) run on the native attention kernel with the step's other rows (float32 kernels);
+        False: a masked torch attention computes them (``ChunkRows.after_write``)."""
+        return self._native_positions
+
+    @native_positions.setter
+    def native_positions(self, on: bool) -> None:
+        """Send explicit-position rows to the torch path (for A/B runs and tests) or back to the kernel.
+
+        Raises:
+            ValueError: turned on where the native kernel cannot take them (no native attention, or
+                not float32).
+        """
+        if on and not (self.native_attention and native.takes_positions(self.dtype)):
+            raise ValueError("explicit positions on the native kernel need float32 native attention")
+        self._native_positions = bool(on)
 
     @property
     def whole_step_decode(self) -> bool:
@@ -424,7 +448,8 @@ class PagedLlama:
         return x
 
     def _attend_native(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, st: StepRows, a: torch.Tensor) -> None:
-        """The native kernel over the step's ordinary sequences."""
+        """The native kernel over the sequences of ``st.native_batch`` (the ordinary ones, and those
+        at explicit positions with :attr:`native_positions`), into their rows of ``a``."""
         if st.native_batch is None:
             return
         if st.native_rows is None:
@@ -456,7 +481,7 @@ class PagedLlama:
             offsets = st.offsets
             for i, slots in enumerate(st.cached_slots):
                 lo, hi = offsets[i], offsets[i + 1]
-                if st.modes[i] is None or st.native_batch is not None:  # explicit positions (below), or done natively
+                if st.modes[i] is None or st.native_batch is not None:  # explicit positions, or done natively
                     continue
                 if w.window is not None:  # a sliding-window layer: keys p - W + 1 .. p
                     a[lo:hi] = self._attend_window(i, q[lo:hi], k[lo:hi], v[lo:hi], kc, vc, st, w.window)

@@ -202,7 +202,8 @@ class ModelRunner:
         if all_logits and any(item.blend or item.focus for item in batch):
             raise InvalidRequestError("all_logits cannot be combined with rows that stop part-way")
         st = StepRows(self.num_layers, self.layers.native_attention, self.device, list(lengths), torch.empty(0),
-                      torch.empty(0), [], [], [], [item.decode for item in batch], [])
+                      torch.empty(0), [], [], [], [item.decode for item in batch], [],
+                      native_positions=self.layers.native_positions)
         new_slots, positions, row = [], [], 0
         for idx, (item, n) in enumerate(zip(batch, lengths)):
             cached = self.slots(item.cached)

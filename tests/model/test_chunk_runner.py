@@ -230,3 +230,123 @@ def test_statistics_layers_are_spread_over_the_whole_depth(runner):
     assert runner.stat_layers == frozenset({0, n - 1})
     runner.sample_stat_layers(1)
     assert runner.stat_layers == frozenset({0})
+
+
+# ---- explicit positions on the native float32 kernel -------------------------------------------------
+
+def _native_positions(runner) -> bool:
+    return runner.layers.native_positions
+
+
+def _scattered_recompute(new, pos, share: float, seed: int):
+    """Every ``1/share``-th-ish token of the two moved chunks (rows 0..73 of ``new``), plus the question."""
+    g = torch.Generator().manual_seed(seed)
+    rows = sorted(r for r in range(74) if torch.rand((), generator=g).item() < share) + list(range(74, 83))
+    return tuple(new[r] for r in rows), tuple(pos[r] for r in rows), rows
+
+
+def _with_positions_on(runner, on: bool, *items, **kw):
+    saved = runner.layers.native_positions
+    runner.layers.native_positions = on
+    try:
+        return runner.forward_step(list(items), **kw)
+    finally:
+        runner.layers.native_positions = saved
+
+
+def _count_masked_attention(monkeypatch):
+    """Count the masked torch attention calls of the chunk rows (explicit positions off the kernel)."""
+    import ragcache_backend.model.llama as llama
+
+    calls = []
+    real = llama.attention
+
+    def counted(*args, **kw):
+        calls.append(kw.get("mask") is not None)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(llama, "attention", counted)
+    return calls
+
+
+@pytest.mark.parametrize("share", [0.15, 0.5])
+def test_explicit_positions_on_the_native_kernel_equal_the_torch_path(runner, monkeypatch, share):
+    """A chunk-reuse step with recomputed tokens at scattered positions: the native kernel and the
+    masked torch attention give the same logits (every row), statistics and deviation."""
+    if not _native_positions(runner):
+        pytest.skip("float32 native kernels unavailable here")
+    b = Blocks()
+    _, ctx, new, pos = _moved_chunks(runner, b)
+    _, ctx2, _, _ = _moved_chunks(runner, b)  # the same moved KV again: each path overwrites its own copy
+    toks, where, _ = _scattered_recompute(new, pos, share, seed=int(share * 100))
+    kw = dict(stat_segments=(20, 33, 41, 9), guard=True)
+    calls = _count_masked_attention(monkeypatch)
+    fast = _with_positions_on(runner, True, ForwardInput(toks, ctx, (), positions=where, **kw), all_logits=True)
+    assert not any(calls)  # no masked torch attention: the kernel served the explicit rows
+    slow = _with_positions_on(runner, False, ForwardInput(toks, ctx2, (), positions=where, **kw), all_logits=True)
+    assert any(calls)
+    assert fast.logits[0].shape == (len(toks), runner.vocab_size)
+    assert (fast.logits[0] - slow.logits[0]).abs().max().item() < 1e-4
+    assert torch.allclose(torch.tensor(fast.attention[0].mass), torch.tensor(slow.attention[0].mass), atol=1e-5)
+    assert max(fast.deviation[0]) > 1e-3  # the moved chunk's recomputed KV did move
+    assert torch.allclose(torch.tensor(fast.deviation[0]), torch.tensor(slow.deviation[0]), atol=1e-5)
+
+
+def test_recomputing_every_token_on_the_native_kernel_equals_full_recomputation(runner, monkeypatch):
+    if not _native_positions(runner):
+        pytest.skip("float32 native kernels unavailable here")
+    b = Blocks()
+    ref, ctx, new, pos = _moved_chunks(runner, b)
+    calls = _count_masked_attention(monkeypatch)
+    out = runner.forward([ForwardInput(new, ctx, (), positions=pos)])[0]
+    assert not any(calls) and (out - ref).abs().max().item() < 1e-4
+
+
+def test_explicit_positions_next_to_ordinary_sequences_in_one_native_step(runner):
+    """One step with an ordinary prompt, a decode row and a recompute at explicit positions: each
+    sequence's logits are those it has alone."""
+    if not _native_positions(runner):
+        pytest.skip("float32 native kernels unavailable here")
+    b = Blocks()
+    _, ctx, new, pos = _moved_chunks(runner, b)
+    toks, where, _ = _scattered_recompute(new, pos, 0.3, seed=5)
+    pa, ta = b.run(30), b.run(12)
+    runner.forward([ForwardInput(_toks(30, 20), (), (pa,))])
+    pd, td = b.run(50), b.run(1)
+    runner.forward([ForwardInput(_toks(50, 21), (), (pd,))])
+    items = [ForwardInput(_toks(12, 22), (pa,), (ta,)), ForwardInput(toks, ctx, (), positions=where),
+             ForwardInput(_toks(1, 23), (pd,), (td,), decode=True)]
+    together = runner.forward(items)
+    for item, out in zip(items, together):
+        alone = runner.forward([item])[0]
+        assert (alone - out).abs().max().item() < 1e-5
+
+
+def test_rows_that_stop_part_way_rebuild_the_native_batch(runner):
+    """Blend and focus selections drop rows between layers; the kernel's batch is rebuilt with the
+    remaining positions and matches the torch path (depths, logits)."""
+    from ragcache_backend.model.chunk_rows import BlendSelection, FocusSelection
+
+    if not _native_positions(runner):
+        pytest.skip("float32 native kernels unavailable here")
+    b = Blocks()
+    groups = (tuple(range(33)), tuple(range(33, 74)))
+    three = ((20, 40), (40, 53), (53, 94))
+    groups3 = (tuple(range(0, 20, 2)), tuple(range(20, 33, 2)), tuple(range(33, 74, 2)))
+    for extra in (dict(blend=BlendSelection(groups, share=0.25, layer=0)),
+                  dict(focus=FocusSelection(three, groups3, tuple(range(74, 83)), window=1))):
+        _, ctx, new, pos = _moved_chunks(runner, b)
+        fast = _with_positions_on(runner, True, ForwardInput(new, ctx, (), positions=pos, guard=True, **extra))
+        _, ctx, new, pos = _moved_chunks(runner, b)  # a fresh copy: the deviation the blend ranks by is measured again
+        slow = _with_positions_on(runner, False, ForwardInput(new, ctx, (), positions=pos, guard=True, **extra))
+        assert fast.depth[0] == slow.depth[0] and min(fast.depth[0]) < runner.num_layers  # some rows stopped
+        assert (fast.logits[0] - slow.logits[0]).abs().max().item() < 1e-4
+
+
+def test_native_positions_can_be_turned_off_but_not_on_without_the_kernel(tiny_model, monkeypatch):
+    runner = ModelRunner(tiny_model, num_device_blocks=16, block_size=16)
+    runner.layers.native_positions = False
+    assert not runner.layers.native_positions
+    monkeypatch.setattr(runner.layers, "native_attention", False)
+    with pytest.raises(ValueError):
+        runner.layers.native_positions = True

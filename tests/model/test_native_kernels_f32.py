@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ragcache_backend.model.kernels import apply_rope, attention, native, prefix_causal_mask, rope_cos_sin
+from ragcache_backend.model.kernels import apply_rope, attention, native, position_mask, prefix_causal_mask, rope_cos_sin
 from ragcache_backend.model.kernels.native import NativeKernelError
 
 pytestmark = pytest.mark.skipif(not native.available(torch.float32, "cpu", 64),
@@ -88,6 +88,100 @@ def test_one_call_for_a_mixed_step_equals_one_call_per_sequence():
         alone = native.paged_prefill_attention(q[row : row + new], kc, vc, ctx, cached, 0.125, decode=dec)
         assert torch.equal(together[row : row + new], alone)
         row += new
+
+
+def _scattered(context: int, count: int, seed: int, must: tuple[int, ...] = ()) -> torch.Tensor:
+    """Ascending positions in ``[0, context)``: ``must`` (those inside), then random others up to ``count``."""
+    g = torch.Generator().manual_seed(seed)
+    picked = {p for p in must if p < context}
+    for p in torch.randperm(context, generator=g).tolist():
+        if len(picked) >= count:
+            break
+        picked.add(p)
+    return torch.tensor(sorted(picked), dtype=torch.int64)
+
+
+_EDGES = (0, 1, 63, 64, 65, 127, 128, 191, 192, 255, 256, 511, 512)  # both sides of 64-key blocks
+
+
+@pytest.mark.parametrize("context,new,hq,hkv,d", [(1, 1, 9, 3, 64), (64, 64, 9, 3, 64), (65, 5, 9, 3, 64), (200, 17, 4, 4, 64),
+                                                    (300, 45, 9, 3, 64), (513, 40, 8, 2, 128), (1000, 150, 9, 3, 64),
+                                                    (129, 33, 4, 1, 32), (700, 9, 16, 1, 16), (260, 260, 6, 3, 64)])
+def test_paged_attention_at_explicit_positions_matches_the_masked_reference(context, new, hq, hkv, d):
+    """Rows at scattered positions inside the context (the recomputed tokens of reused chunks,
+    rows on both sides of 64-key block boundaries among them) attend to keys ``0 .. position``."""
+    kc, vc = _arena(2048, hkv, d, seed=context + new)
+    g = torch.Generator().manual_seed(12)
+    slots = torch.randperm(2048, generator=g)[:context]
+    pos = _scattered(context, new, seed=context, must=_EDGES + (context - 1,))
+    new = pos.numel()  # the block edges inside the context come on top
+    q = torch.randn(new, hq + 2 * hkv, d, generator=g)[:, :hq]  # strided rows, as the runner passes them
+    batch = native.attention_batch([slots], [new], [False], [pos])
+    out = native.paged_attention(q, kc, vc, batch, d**-0.5)
+    ref = attention(q.double(), kc[slots].double(), vc[slots].double(), scale=d**-0.5, mask=position_mask(pos, context)).float()
+    assert (out - ref).abs().max().item() < 1e-5
+
+
+def test_a_row_at_an_explicit_position_is_the_ordinary_row_at_that_position():
+    """Row independence carries over: a row at position p gives the bits of row p of a cold prefill
+    over the same keys, whichever other rows share the call."""
+    kc, vc = _arena(2048, 3, 64, seed=3)
+    g = torch.Generator().manual_seed(4)
+    slots = torch.randperm(2048, generator=g)[:900]
+    q = torch.randn(900, 9, 64, generator=g)
+    cold = native.paged_prefill_attention(q, kc, vc, slots, 0, 0.125)
+    for count, seed in ((1, 1), (37, 2), (300, 3)):
+        pos = _scattered(900, count, seed, must=(63, 64, 899))
+        out = native.paged_attention(q[pos], kc, vc, native.attention_batch([slots], [pos.numel()], [False], [pos]), 0.125)
+        assert torch.equal(out, cold[pos]), count
+
+
+def test_explicit_positions_in_a_mixed_step_equal_each_sequence_alone():
+    """A call with sequences at explicit positions next to ordinary prompts and generated tokens
+    gives every row the bits it has alone."""
+    kc, vc = _arena(8192, 3, 64, seed=13)
+    g = torch.Generator().manual_seed(14)
+    perm = torch.randperm(8192, generator=g)
+    specs = [(400, _scattered(400, 60, 5)), (300, None), (1200, None), (129, _scattered(129, 3, 6, must=(64,))), (70, None)]
+    new = [p.numel() if p is not None else n for (_, p), n in zip(specs, (0, 25, 1, 0, 70))]
+    decode = [False, False, True, False, False]
+    contexts, at = [], 0
+    for s, _ in specs:
+        contexts.append(perm[at : at + s])
+        at += s
+    q = torch.randn(sum(new), 9, 64, generator=g)
+    together = native.paged_attention(q, kc, vc, native.attention_batch(contexts, new, decode, [p for _, p in specs]), 0.125)
+    row = 0
+    for ctx, (_, pos), n, dec in zip(contexts, specs, new, decode):
+        alone = native.paged_attention(q[row : row + n], kc, vc, native.attention_batch([ctx], [n], [dec], [pos]), 0.125)
+        assert torch.equal(together[row : row + n], alone)
+        row += n
+
+
+def test_bad_explicit_positions_raise_a_typed_error():
+    kc, vc = _arena(64, 3, 64, seed=0)
+    q, ctx = torch.randn(3, 9, 64), torch.arange(20)
+    for bad in ([5, 3, 9], [2, 2, 9], [-1, 3, 9], [3, 9, 20], [1, 2]):
+        with pytest.raises(NativeKernelError):
+            native.attention_batch([ctx], [3], [False], [torch.tensor(bad)])
+    with pytest.raises(NativeKernelError):  # not int64
+        native.attention_batch([ctx], [3], [False], [torch.tensor([1, 2, 3], dtype=torch.int32)])
+    with pytest.raises(NativeKernelError):  # a generated token has no explicit position
+        native.attention_batch([ctx], [1], [True], [torch.tensor([19])])
+    with pytest.raises(NativeKernelError):
+        native.attention_batch([ctx], [3], [False], [None, None])
+    # the C kernel checks the positions itself: a batch built around attention_batch's checks fails cleanly
+    good = native.attention_batch([ctx], [3], [False], [torch.tensor([1, 5, 9])])
+    for bad in ([1, 5, 20], [9, 5, 1], [-3, 5, 9], [1, 5, 1 << 40]):
+        forged = native.AttentionBatch(good.slots, good.ctx_off, good.q_off, good.decode, torch.tensor(bad))
+        with pytest.raises(NativeKernelError, match="code 1"):
+            native.paged_attention(q, kc, vc, forged, 0.125)
+    with pytest.raises(NativeKernelError):  # one position per row
+        native.paged_attention(q[:2], kc, vc, native.AttentionBatch(good.slots, good.ctx_off, torch.tensor([0, 2]),
+                                                                     good.decode, torch.tensor([1, 5, 9])), 0.125)
+    with pytest.raises(NativeKernelError):  # the bf16 kernel takes no positions
+        native.paged_attention(q.bfloat16(), kc.bfloat16(), vc.bfloat16(), good, 0.125)
+    assert native.takes_positions(torch.float32) and not native.takes_positions(torch.bfloat16)
 
 
 def test_rope_write_matches_apply_rope_and_writes_the_arena():

@@ -87,7 +87,9 @@ def _build() -> ctypes.CDLL | None:
         getattr(lib, f"{prefix}_supported").restype = ctypes.c_int
         attn = getattr(lib, f"{prefix}_paged_attention")
         attn.restype = ctypes.c_int
-        attn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32, ptr, nt]
+        # the float32 kernel also takes explicit row positions (after ``decode``)
+        attn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, *((ptr,) if prefix == "rc32" else ()), i64, i64, i64, i64,
+                         f32, ptr, nt]
         rope = getattr(lib, f"{prefix}_rope_write")
         rope.restype = None
         rope.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, nt]
@@ -165,6 +167,12 @@ def available(dtype: torch.dtype, device: torch.device | str, head_dim: int, gro
     return unavailable_reason(dtype, device, head_dim, group) is None
 
 
+def takes_positions(dtype: torch.dtype) -> bool:
+    """Whether ``dtype``'s attention kernel takes rows at explicit positions inside their context
+    (:attr:`AttentionBatch.q_pos`): float32 only; the bf16 kernel computes the last ``T`` positions."""
+    return dtype == torch.float32
+
+
 @dataclass(slots=True, frozen=True)
 class AttentionBatch:
     """The sequences of one forward step as the native attention kernel reads them (built once per
@@ -174,35 +182,64 @@ class AttentionBatch:
         slots: ``[sum S_b]`` int64 arena slots of every sequence's context, concatenated.
         ctx_off: ``[B + 1]`` int64 offsets of each context in ``slots``.
         q_off: ``[B + 1]`` int64 offsets of each sequence's new rows in the step (``T_b`` rows at the
-            end of its context).
+            end of its context, unless ``q_pos`` places them).
         decode: ``[B]`` uint8, 1 where the one new token is a generated token (decode kernel).
+        q_pos: None (every sequence's rows are the last ``T_b`` positions of its context), or ``[N]``
+            int64 position of every row in its context (strictly ascending within a sequence, ``<
+            S_b``; row ``r`` attends to context positions ``0 .. q_pos[r]``). float32 kernel only
+            (:func:`takes_positions`).
     """
 
     slots: torch.Tensor
     ctx_off: torch.Tensor
     q_off: torch.Tensor
     decode: torch.Tensor
+    q_pos: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
         return int(self.q_off[-1])
 
 
-def attention_batch(contexts: list[torch.Tensor], num_new: list[int], decode: list[bool]) -> AttentionBatch:
-    """Pack per-sequence contexts (``[S_b]`` int64 slots, new tokens last) into an :class:`AttentionBatch`.
+def attention_batch(contexts: list[torch.Tensor], num_new: list[int], decode: list[bool],
+                    positions: list[torch.Tensor | None] | None = None) -> AttentionBatch:
+    """Pack per-sequence contexts (``[S_b]`` int64 slots in position order) into an :class:`AttentionBatch`.
+
+    Args:
+        contexts: per sequence, its context's slots (new tokens last, unless ``positions`` places them).
+        num_new: per sequence, its new rows ``T_b``.
+        decode: per sequence, whether its one new token is a generated token.
+        positions: None, or per sequence None (its rows are the last ``T_b`` positions) or ``[T_b]``
+            int64 positions of its rows inside its context (chunk-cache recomputation; prompt
+            sequences only, strictly ascending, in ``[0, S_b)``). Where one is given the batch
+            carries :attr:`AttentionBatch.q_pos` (float32 kernel only).
 
     Raises:
         NativeKernelError: lengths disagree, a sequence has no new token, more new tokens than
-            context, or a decode sequence with more than one new token.
+            context, a decode sequence with more than one new token, or positions that are not
+            ``T_b`` strictly ascending ints in ``[0, S_b)`` (or given for a decode sequence).
     """
     if not (len(contexts) == len(num_new) == len(decode)) or not contexts:
         raise NativeKernelError("attention_batch: one context, count and flag per sequence, at least one")
-    for ctx, t, dec in zip(contexts, num_new, decode):
+    positions = positions if positions is not None else [None] * len(contexts)
+    if len(positions) != len(contexts):
+        raise NativeKernelError("attention_batch: one positions entry (or None) per sequence")
+    for ctx, t, dec, pos in zip(contexts, num_new, decode, positions):
         if t < 1 or ctx.numel() < t or (dec and t != 1) or ctx.dtype != torch.int64:
             raise NativeKernelError(f"attention_batch: bad sequence (context {ctx.numel()} {ctx.dtype}, new {t}, decode {dec})")
+        if pos is not None and (dec or pos.dtype != torch.int64 or pos.shape != (t,) or int(pos.min()) < 0
+                                or int(pos.max()) >= ctx.numel() or bool((pos.diff() <= 0).any())):
+            raise NativeKernelError(f"attention_batch: positions must be {t} strictly ascending int64 in [0, {ctx.numel()}) "
+                                    f"of a prompt sequence, got {pos.tolist() if pos.numel() <= 8 else tuple(pos.shape)} "
+                                    f"{pos.dtype} (decode {dec})")
     ctx_off = torch.tensor([0, *(int(c.numel()) for c in contexts)], dtype=torch.int64).cumsum(0)
     q_off = torch.tensor([0, *num_new], dtype=torch.int64).cumsum(0)
-    return AttentionBatch(torch.cat(contexts).cpu().contiguous(), ctx_off, q_off, torch.tensor(decode, dtype=torch.uint8))
+    q_pos = None
+    if any(pos is not None for pos in positions):
+        q_pos = torch.cat([pos.cpu() if pos is not None else torch.arange(ctx.numel() - t, ctx.numel())
+                           for ctx, t, pos in zip(contexts, num_new, positions)]).contiguous()
+    return AttentionBatch(torch.cat(contexts).cpu().contiguous(), ctx_off, q_off, torch.tensor(decode, dtype=torch.uint8),
+                          q_pos)
 
 
 def _kernel(dtype: torch.dtype, name: str):
@@ -228,7 +265,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             ``D`` values contiguous.
         k_cache, v_cache: one layer of the arena, ``[slots, Hkv, D]``, q's dtype, contiguous; the new
             tokens' K/V already written. Slots in ``batch`` must lie inside it.
-        batch: the step's sequences (:func:`attention_batch`).
+        batch: the step's sequences (:func:`attention_batch`); rows at explicit positions
+            (``batch.q_pos``) attend to their context up to their position (float32 only).
         scale: softmax scale.
         out: optional contiguous ``[N, Hq, D]`` tensor of q's dtype to write into.
 
@@ -236,7 +274,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         ``out`` or a new ``[N, Hq, D]`` tensor of q's dtype.
 
     Raises:
-        NativeKernelError: the kernel is not available for q's dtype, or shapes/dtypes do not fit it.
+        NativeKernelError: the kernel is not available for q's dtype, shapes/dtypes do not fit it,
+            or the batch has explicit positions and q's dtype has no kernel for them
+            (:func:`takes_positions`).
     """
     n, hq, d = q.shape
     fn = _kernel(q.dtype, "paged_attention")
@@ -248,12 +288,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             or hq % k_cache.shape[1] != 0 or d % _HEAD_MULTIPLE[q.dtype]):
         raise NativeKernelError(f"paged_attention: bad arguments q={tuple(q.shape)}/{q.dtype}/{q.stride()}, "
                                 f"kv={tuple(k_cache.shape)}/{k_cache.dtype}, rows={batch.num_rows}")
+    if batch.q_pos is not None and (not takes_positions(q.dtype) or batch.q_pos.shape != (n,)):
+        raise NativeKernelError(f"paged_attention: explicit row positions need the float32 kernel and one per row "
+                                f"(q {q.dtype}, {n} rows, {tuple(batch.q_pos.shape)} positions)")
     if out is None:
         out = torch.empty((n, hq, d), dtype=q.dtype)
     elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
         raise NativeKernelError(f"paged_attention: bad out {tuple(out.shape)}/{out.dtype}")
+    # float32: the rows' positions (NULL: the last T of each context); the bf16 kernel has no such argument
+    qpos = ((None if batch.q_pos is None else batch.q_pos.data_ptr()),) if takes_positions(q.dtype) else ()
     rc = fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), batch.slots.data_ptr(),
-            batch.ctx_off.data_ptr(), batch.q_off.data_ptr(), batch.decode.data_ptr(), len(batch.decode), hq,
+            batch.ctx_off.data_ptr(), batch.q_off.data_ptr(), batch.decode.data_ptr(), *qpos, len(batch.decode), hq,
             k_cache.shape[1], d, scale, out.data_ptr(), torch.get_num_threads())
     if rc != 0:
         raise NativeKernelError(f"paged_attention failed with code {rc} (1: arguments, 2: memory)")

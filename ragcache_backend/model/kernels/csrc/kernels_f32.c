@@ -7,7 +7,9 @@
  *
  * Prompt tokens (attend_item) compute, for T new queries at absolute positions P .. P+T-1 (GQA:
  * query head hq reads KV head hq / g), causal attention over context slots[0 .. P+T-1] read from
- * the arena: out[t, hq] = softmax(scale * q[t, hq] . K[0..P+t]^T) V[0..P+t]. Keys are packed per
+ * the arena: out[t, hq] = softmax(scale * q[t, hq] . K[0..P+t]^T) V[0..P+t]. Rows may instead sit at
+ * explicit positions p_t inside the context (chunk-cache recomputation: ascending, < S; qpos), and
+ * then attend to K[0..p_t], V[0..p_t] with the same arithmetic. Keys are packed per
  * call into [key/8][D][8] panels (QK^T as broadcast-FMA, 4 query vectors x 16 keys per register
  * tile); values are read in place. Online softmax in float32 over key blocks of 64 fixed at
  * absolute key positions.
@@ -16,7 +18,8 @@
  * whatever the other rows of the call are: (1) key blocks sit at absolute positions, (2) a block
  * past a row's causal limit leaves the row unchanged (rescale exactly 1, probabilities exactly 0),
  * (3) rows are tiled side by side, never reduced together. So a prompt row's output is the same
- * whether its prefix came from the cache (small T, large P) or was computed in the same call.
+ * whether its prefix came from the cache (small T, large P) or was computed in the same call, and
+ * a row at an explicit position p gives the bits of the ordinary row at position p over the same keys.
  *
  * Generated tokens (decode_part, decode_merge) read the arena without packing, split their
  * context into key chunks (flash-decoding) so two threads share even a single sequence, and merge
@@ -105,10 +108,11 @@ static void pack_keys(const float *kc, int64_t slot_row, const int64_t *slots, i
     }
 }
 
-/* One work item: query positions [t0, t1) of KV head h (positions P + t), all g query heads.
+/* One work item: query rows [t0, t1) of KV head h, all g query heads; row t sits at position
+ * qpos[t] (qpos: the sequence's row positions) or, with qpos NULL, P + t.
  * kp: this head's packed keys; vc/slots: values read in place. */
 TGT static void attend_item(const float *q, int64_t q_row, int64_t D, int64_t g, int64_t h, int64_t t0, int64_t t1,
-                            int64_t P, const float *kp, const float *vc, int64_t slot_row, const int64_t *slots,
+                            int64_t P, const int64_t *qpos, const float *kp, const float *vc, int64_t slot_row, const int64_t *slots,
                             float scale, float *out, int64_t out_row) {
     const int64_t nvec = (t1 - t0) * g;
     float acc[QT][DMAX] __attribute__((aligned(32)));
@@ -122,7 +126,7 @@ TGT static void attend_item(const float *q, int64_t q_row, int64_t D, int64_t g,
             int64_t v = v0 + i < nvec ? v0 + i : nvec - 1; /* pad a short tile with its last row */
             tpos[i] = t0 + v / g;
             head[i] = h * g + v % g;
-            lim[i] = P + tpos[i];
+            lim[i] = qpos ? qpos[tpos[i]] : P + tpos[i];
             if (lim[i] > maxlim) maxlim = lim[i];
             qv[i] = q + tpos[i] * q_row + head[i] * D;
             m[i] = -INFINITY;
@@ -319,16 +323,24 @@ typedef struct {
  *   q_off: [B+1] row offsets (sequence b has T_b = q_off[b+1] - q_off[b] new tokens at the end of
  *     its context, positions P_b .. P_b + T_b - 1 with P_b = S_b - T_b);
  *   decode: [B] 1 where the sequence's one new token is a generated one;
+ *   qpos: NULL (every row at its place in the last T_b positions), or [N] the position of every row
+ *     in its context: strictly ascending within a sequence, in [0, S_b); a decode row's is S_b - 1;
  *   out: [N, Hq, D] contiguous. */
 TGT int rc32_paged_attention(const float *q, int64_t q_row, const float *kc, const float *vc, const int64_t *slots,
-                             const int64_t *ctx_off, const int64_t *q_off, const uint8_t *decode, int64_t B, int64_t Hq,
-                             int64_t Hkv, int64_t D, float scale, float *out, int nthreads) {
+                             const int64_t *ctx_off, const int64_t *q_off, const uint8_t *decode, const int64_t *qpos,
+                             int64_t B, int64_t Hq, int64_t Hkv, int64_t D, float scale, float *out, int nthreads) {
     if (B < 1 || Hkv < 1 || Hq % Hkv != 0 || D % 16 != 0 || D > DMAX || nthreads < 1) return 1;
     const int64_t g = Hq / Hkv, slot_row = Hkv * D;
     int64_t pack_floats = 0, nitems = 0, npack = 0, ndec = 0, dec_keys = 0;
     for (int64_t b = 0; b < B; b++) {
         int64_t T = q_off[b + 1] - q_off[b], S = ctx_off[b + 1] - ctx_off[b];
         if (T < 1 || S < T || (decode[b] && T != 1)) return 1;
+        if (qpos) { /* explicit positions: checked here, never trusted inside the kernel */
+            const int64_t *p = qpos + q_off[b];
+            for (int64_t t = 0; t < T; t++)
+                if (p[t] < 0 || p[t] >= S || (t > 0 && p[t] <= p[t - 1])) return 1;
+            if (decode[b] && p[0] != S - 1) return 1;
+        }
         if (decode[b]) {
             ndec++;
             dec_keys += S;
@@ -425,8 +437,8 @@ TGT int rc32_paged_attention(const float *q, int64_t q_row, const float *kc, con
             } else {
                 int64_t S_pad = (S + KB - 1) / KB * KB;
                 const float *kp = pack + pack_at[it.seq] + it.h * S_pad * D;
-                attend_item(qs, q_row, D, g, it.h, it.a, it.b, S - T, kp, vc, slot_row, slots + ctx_off[it.seq], scale,
-                            out + q_off[it.seq] * Hq * D, Hq * D);
+                attend_item(qs, q_row, D, g, it.h, it.a, it.b, S - T, qpos ? qpos + q_off[it.seq] : NULL, kp, vc, slot_row,
+                            slots + ctx_off[it.seq], scale, out + q_off[it.seq] * Hq * D, Hq * D);
             }
         }
         if (nmerge > 0) {
