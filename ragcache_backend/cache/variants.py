@@ -201,9 +201,10 @@ class VariantStore:
         With a disk tier, the variants of the chunk that only the disk holds compete too; if one of
         them wins (and its CFO is at most ``fresh_above``) its path is read back and brought to
         device (appended to ``from_disk``); if that fails, the best resident variant is used."""
+        shared = self._stack.shared_pool  # moving a path to device copies nothing: any resident variant may serve
         cands = [n for n in self.of(spec.key)
                  if n.num_tokens == spec.num_tokens and n not in held and n.serves(spec.token_ids)
-                 and (n.in_device or n.parent is None or n.parent.is_root or n.parent.in_device)
+                 and (shared or n.in_device or n.parent is None or n.parent.is_root or n.parent.in_device)
                  and (not n.approximate or approximate_rule(n.key) == rule.key)]  # approximated under this rule only
         on_disk = self._disk_only(spec) if from_disk is not None else []
         if not cands and not on_disk:
@@ -212,6 +213,11 @@ class VariantStore:
         choice = choose_with_rule([n.variant.stats for n in cands] + [e.variant.stats for e in on_disk],
                                   context, rule, lengths)
         node = next((n for n in cands if n.variant.stats is choice.stats), None)
+        if node is not None and not (node.in_device or node.parent is None or node.parent.is_root or node.parent.in_device):
+            if rule.kind == "cfo" and choice.cfo > fresh_above:
+                return None  # computed fresh anyway: nothing to move
+            if not self._ancestors_to_device(node):
+                return None
         if node is None:
             if rule.kind == "cfo" and choice.cfo > fresh_above:
                 return None  # computed fresh anyway: nothing to read
@@ -222,6 +228,27 @@ class VariantStore:
             from_disk.append(node)
             choice = choose_with_rule([node.variant.stats], context, rule, lengths)
         return VariantUse(node, choice.cfo, choice.recompute, start - node.variant.start)
+
+    def _ancestors_to_device(self, node: Node) -> bool:
+        """Shared pool: move a resident variant's host-only ancestors to device (a node on device
+        needs its parent there; in a shared pool a move hands blocks over, no copy), so that the
+        variant itself can be acquired. The path is locked while room is made and unlocked after,
+        as :meth:`_load` leaves a path read from disk. False, with nothing held, if there is no room."""
+        path = []
+        n = node.parent
+        while n is not None and not n.is_root:
+            path.append(n)
+            n = n.parent
+        path.reverse()
+        if not all(m.resident for m in path):
+            return False
+        for m in (*path, node):
+            self._stack.lock(m)  # room made for one must not evict the others
+        try:
+            return all(m.in_device or self._stack.swap_in(m) for m in path)
+        finally:
+            for m in (*path, node):
+                self._stack.unlock(m)
 
     def _disk_only(self, spec: ChunkSpec) -> list[DiskEntry]:
         """Variants of ``spec``'s chunk that only the disk tier holds (this fingerprint and length;

@@ -297,3 +297,29 @@ def test_a_failed_swap_in_of_a_variant_holds_nothing():
                            rule=RULE)  # X is matched (locked) before A's swap-in fails
     assert cache.locked_nodes == 0 and cache.request_blocks == 0
     cache.check_invariants()
+
+
+def test_in_a_shared_pool_a_variant_whose_path_went_to_host_still_serves():
+    """On a CPU (shared pool) a variant whose node and parent were moved to the host tier still
+    serves: its path moves back to device (blocks handed over, no copy) instead of the chunk being
+    recomputed. With separate memories (a copy per node) such a variant is passed over, as before."""
+    for shared in (True, False):
+        cache = TieredCache(12, 10, 40_000, SimulatedMover(bytes_per_token=100), policy="pgdsf", profile=PROFILE,
+                            shared_pool=shared)
+        cache.configure_variants(fingerprint="model-a/bf16", per_chunk=4, total=1024)
+        run(cache, [spec("SYS", 10, False), spec("A", 20), spec("B", 20), spec("Q1", 5, False)], exact_upto=4)
+        run(cache, [spec("S2", 10, False), spec("C", 40), spec("D", 40), spec("Q2", 5, False)], exact_upto=4)
+        b = cache.variants(K("B"))[0]
+        assert not b.in_device and not b.parent.in_device and b.resident and b.parent.resident  # both on host now
+        lease = cache.admit([spec("S3", 10, False), spec("Q3", 5, False), spec("B", 20)], tail_tokens=5, exact_upto=3,
+                            rule=RULE)
+        assert lease is not None
+        use = lease.pieces[-1].use
+        if shared:
+            assert use is not None and use.node is b and b.in_device and b.parent.in_device
+        else:
+            assert use is None  # computed fresh
+        cache.commit(lease, rest_tokens=1, stats=[None, None, None if use else stats_for(K("B"), 20, lease.pieces[-1].context)])
+        cache.finish(lease)
+        cache.check_invariants()
+        assert cache.locked_nodes == 0 and cache.request_blocks == 0
