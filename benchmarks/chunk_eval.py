@@ -188,7 +188,15 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--png", type=Path, default=None)
     ap.add_argument("--calibration-out", type=Path, default=None, help="write the calibration curve (JSON) here")
+    ap.add_argument("--report", type=Path, default=None, help="print the summary of an earlier run's JSON and exit")
     args = ap.parse_args()
+    if args.report:
+        res = json.loads(args.report.read_text())
+        serving = RecomputeRule(**res["serving_rule"])
+        table = dict.fromkeys(res["records"][-1]["rules"])
+        res["summary"] = summarise(res, table, serving)
+        report(res, table)
+        return
     torch.set_num_threads(args.threads)
     from forward_vs_vllm import machine
 
@@ -338,8 +346,13 @@ def summarise(res: dict, table: dict, serving: RecomputeRule) -> dict:
         kls = sorted((x["kl"] for x in rows), reverse=True)
         letters = [x["letter_agrees"] for x in rows if x["letter_agrees"] is not None]
         mean_kl = statistics.mean(kls)
+        hit = [x for x in rows if x["chunk_hits"] or x["guarded"]]  # requests where this rule reused a chunk
+        hit_letters = [x["letter_agrees"] for x in hit if x["letter_agrees"] is not None]
         out["rules"][name] = {
             "kl": mean_kl, "kl_recovered": 1 - mean_kl / kl_none if kl_none > 0 else float("nan"),
+            "top1_reused": statistics.mean(x["top1"] for x in hit) if hit else float("nan"),
+            "mmlu_letter_agreement_reused": statistics.mean(hit_letters) if hit_letters else float("nan"),
+            "mmlu_requests_reused": len(hit_letters),
             "top1": statistics.mean(x["top1"] for x in rows),
             "mmlu_letter_agreement": statistics.mean(letters) if letters else float("nan"), "mmlu_requests": len(letters),
             "requests_with_chunk_reuse": sum(1 for x in rows if x["chunk_hits"] or x["guarded"]),
@@ -375,10 +388,11 @@ def report(res: dict, table: dict) -> None:
           + f"; no recompute {cal['no_recompute_kl']:.5f}; target {cal['target']:.5f} -> {res['calibrated_rule']['kind']} "
           f"alpha {res['calibrated_rule']['alpha']:g}")
     print(f"{'rule':48s} {'recomp':>7s} {'KL':>8s} {'recov':>6s} {'top-1':>6s} {'MMLU':>6s} {'n reuse':>7s} "
-          f"{'computed':>8s} {'vs tree':>7s} {'worst5 KL':>9s} {'guard':>5s}")
+          f"{'top-1 re':>8s} {'MMLU re':>9s} {'computed':>8s} {'vs tree':>7s} {'worst5 KL':>9s} {'guard':>5s}")
     for name, x in s["rules"].items():
         print(f"{name:48s} {x['recompute_share']:7.1%} {x['kl']:8.5f} {x['kl_recovered']:6.1%} {x['top1']:6.1%} "
-              f"{x['mmlu_letter_agreement']:6.1%} {x['requests_with_chunk_reuse']:7d} {x['computed_tokens_mean']:8.0f} "
+              f"{x['mmlu_letter_agreement']:6.1%} {x['requests_with_chunk_reuse']:7d} {x['top1_reused']:8.1%} "
+              f"{x['mmlu_letter_agreement_reused']:6.1%}/{x['mmlu_requests_reused']:<2d} {x['computed_tokens_mean']:8.0f} "
               f"{x['computed_vs_tree']:7.2f} {x['worst5_kl']:9.5f} {x['guarded_chunks']:5d}")
     g = s["guard"]
     print(f"guard signal (K/V deviation) vs per-request KL: Spearman {g['signal_vs_kl_spearman']:.2f} over {g['requests']} requests")

@@ -220,3 +220,17 @@ def test_a_kl_calibration_turns_a_target_into_the_least_recomputing_scale():
         KLCalibration("m", "float32", (1.0, 0.5), (0.1, 0.2), 0.1, 0.01, 1)  # not ascending
     with pytest.raises(ValueError):
         KLCalibration("m", "float32", (1.0,), (float("nan"),), 0.1, 0.01, 1)
+
+
+def test_the_shipped_kl_calibration_reads_and_gives_a_rule_for_the_default_model():
+    from importlib.resources import files
+
+    from ragcache_backend.cache.chunk_reuse import KLCalibration
+    from ragcache_backend.config import EngineConfig
+
+    cal = KLCalibration.from_json_text(files("ragcache_backend.engine").joinpath("chunk_calibration.json").read_text())
+    assert cal.model == "SmolLM2-135M-Instruct" and cal.dtype == "float32" and cal.requests >= 8
+    assert list(cal.kl) == sorted(cal.kl, reverse=True) or cal.kl[-1] <= cal.kl[0]  # more recompute, less KL
+    rule = EngineConfig(chunk_kl_target=cal.target).recompute_rule(cal.model)
+    assert rule.kind == "cfo" and rule.alpha in cal.alphas
+    assert EngineConfig(chunk_kl_target=0.0).recompute_rule(cal.model).kind == "all"
