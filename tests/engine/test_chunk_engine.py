@@ -4,6 +4,7 @@ exactness limits (recompute everything = full recomputation), the guard, bad inp
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ragcache_backend.cache.chunk_reuse import RecomputeRule
 from ragcache_backend.config import EngineConfig
@@ -130,7 +131,7 @@ def test_teacher_forcing_feeds_the_given_tokens_and_keeps_every_steps_logits(tin
     forced = eng.submit_segments(segs, keep_logits=True, use_cache=False, teacher_tokens=ref.token_ids)
     res = forced.result()
     assert res.token_ids == ref.token_ids and forced.forced_logits.shape == (len(ref.token_ids), eng.runner.vocab_size)
-    assert forced.forced_logits.dtype is not None and (forced.forced_logits[0] - free.first_logits).abs().max() < 1e-5
+    assert forced.forced_logits.dtype == torch.float32 and (forced.forced_logits[0] - free.first_logits).abs().max() < 1e-5
     assert forced.forced_logits.argmax(-1).tolist() == list(ref.token_ids)  # greedy: each step's argmax is the token fed
     other = [t for t in reversed(ref.token_ids)]  # any tokens are fed, not sampled
     assert eng.submit_segments(segs, use_cache=False, teacher_tokens=other).result().token_ids == tuple(other)
