@@ -204,7 +204,7 @@ class VariantStore:
         shared = self._stack.shared_pool  # moving a path to device copies nothing: any resident variant may serve
         cands = [n for n in self.of(spec.key)
                  if n.num_tokens == spec.num_tokens and n not in held and n.serves(spec.token_ids)
-                 and (shared or n.in_device or n.parent is None or n.parent.is_root or n.parent.in_device)
+                 and (shared or _acquirable(n))
                  and (not n.approximate or approximate_rule(n.key) == rule.key)]  # approximated under this rule only
         on_disk = self._disk_only(spec) if from_disk is not None else []
         if not cands and not on_disk:
@@ -213,7 +213,7 @@ class VariantStore:
         choice = choose_with_rule([n.variant.stats for n in cands] + [e.variant.stats for e in on_disk],
                                   context, rule, lengths)
         node = next((n for n in cands if n.variant.stats is choice.stats), None)
-        if node is not None and not (node.in_device or node.parent is None or node.parent.is_root or node.parent.in_device):
+        if node is not None and not _acquirable(node):
             if rule.kind == "cfo" and choice.cfo > fresh_above:
                 return None  # computed fresh anyway: nothing to move
             if not self._ancestors_to_device(node):
@@ -240,15 +240,20 @@ class VariantStore:
             path.append(n)
             n = n.parent
         path.reverse()
-        if not all(m.resident for m in path):
-            return False
-        for m in (*path, node):
-            self._stack.lock(m)  # room made for one must not evict the others
+        return all(m.resident for m in path) and self._to_device(path, also_lock=(node,))
+
+    def _to_device(self, nodes: Sequence[Node], also_lock: Sequence[Node] = ()) -> bool:
+        """Bring ``nodes`` (a path, root side first) to device, locked together with ``also_lock``
+        while room is made (room made for one must not evict the others) and unlocked after.
+        False if one could not be placed (those before it stay on device)."""
+        held = (*nodes, *also_lock)
+        for n in held:
+            self._stack.lock(n)
         try:
-            return all(m.in_device or self._stack.swap_in(m) for m in path)
+            return all(n.in_device or self._stack.swap_in(n) for n in nodes)
         finally:
-            for m in (*path, node):
-                self._stack.unlock(m)
+            for n in held:
+                self._stack.unlock(n)
 
     def _disk_only(self, spec: ChunkSpec) -> list[DiskEntry]:
         """Variants of ``spec``'s chunk that only the disk tier holds (this fingerprint and length;
@@ -277,14 +282,13 @@ class VariantStore:
         nodes += self._stack.read_back(nodes, path, self.restore)
         if len(nodes) != len(keys):
             return None
-        for n in nodes:
-            self._stack.lock(n)  # room made for one must not evict the others
-        try:
-            placed = all(n.in_device or self._stack.swap_in(n) for n in nodes)
-        finally:
-            for n in nodes:
-                self._stack.unlock(n)
+        placed = self._to_device(nodes)
         node = nodes[-1]
         if node.variant is None:  # resident already, computed by a request that recorded no variant
             self.restore(node, entry.variant)
         return node if placed and node.variant is not None else None
+
+
+def _acquirable(node: Node) -> bool:
+    """``node`` can be locked on device as it is: it is there, or its parent is (or it has none)."""
+    return node.in_device or node.parent is None or node.parent.is_root or node.parent.in_device
