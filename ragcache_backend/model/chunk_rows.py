@@ -25,7 +25,7 @@ import torch
 
 from ragcache_backend.cache.chunk_reuse import FocusTracker
 from ragcache_backend.errors import InvalidRequestError
-from ragcache_backend.model.kernels import position_mask, segment_attention_mass
+from ragcache_backend.model.kernels import native, position_mask, segment_attention_mass
 
 __all__ = ["BlendSelection", "ChunkRows", "FocusSelection"]
 
@@ -84,6 +84,8 @@ class ChunkRows:
         dtype: the model dtype (the mask's).
         alive: ``[T]`` original row index of each row still computed.
         segments, num_segments: statistics segment of every context key (None: no statistics).
+        segment_offsets: ``[nseg + 1]`` int64 (CPU) boundaries of those segments, for the native
+            statistics kernel.
         mass: ``[n, nseg]`` float32 attention mass per original row, summed over heads and layers.
         deviation, dev_layers: ``[n]`` K/V deviation summed over layers, and layers measured.
         guard: measure the deviation on every layer.
@@ -119,6 +121,7 @@ class ChunkRows:
     stopped: dict[int, int] = field(default_factory=dict)
     focus_layer: int = 0
     window_bias: dict[int, torch.Tensor] = field(default_factory=dict)
+    segment_offsets: torch.Tensor | None = None
     _blend_dev: torch.Tensor | None = None
 
     # ---- set-up ----------------------------------------------------------------------------------
@@ -134,13 +137,14 @@ class ChunkRows:
                 outside [0, 1], a focus window below 1 or chunk ranges outside the context.
         """
         s, dev = context.numel(), context.device
-        segments, mass = None, None
+        segments, mass, offsets = None, None, None
         if stat_segments is not None:
             if sum(stat_segments) != s or min(stat_segments, default=0) < 1 or len(stat_segments) > max_segments:
                 raise InvalidRequestError(f"statistics segments {list(stat_segments)} must cover the {s}-token context, "
                                           f"each >= 1 token, at most {max_segments}")
             segments = torch.repeat_interleave(torch.arange(len(stat_segments)), torch.tensor(stat_segments)).to(dev)
             mass = torch.zeros(n, len(stat_segments), dtype=torch.float32, device=dev)
+            offsets = torch.tensor((0, *stat_segments), dtype=torch.int64).cumsum(0)
         selectable = [r for group in (blend.groups if blend else ()) + (focus.groups if focus else ()) for r in group]
         if any(not 0 <= r < n - 1 for r in selectable) or (focus and any(not 0 <= r < n for r in focus.question)):
             raise InvalidRequestError(f"row selections must name rows 0 .. {n - 2} (the last row yields the logits)")
@@ -161,7 +165,7 @@ class ChunkRows:
                          len(stat_segments or ()), mass,
                          torch.zeros(n, dtype=torch.float32, device=dev) if track else None,
                          torch.zeros(n, dtype=torch.float32, device=dev) if track else None,
-                         guard, blend, focus, focus_segments, tracker)
+                         guard, blend, focus, focus_segments, tracker, segment_offsets=offsets)
 
     # ---- per layer -------------------------------------------------------------------------------
     def before_write(self, kc: torch.Tensor, vc: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -191,15 +195,19 @@ class ChunkRows:
         update; ``window`` is the layer's sliding window (None: full attention)."""
         qs = q[self.lo : self.hi]
         stats = self.mass is not None and stat_layer
+        native_stats = stats and window is None and native.segment_mass_available(qs, kc)  # keys read in place
         masked = self.explicit and not self.native
-        need_k = masked or stats or self.focus is not None
+        need_k = masked or (stats and not native_stats) or self.focus is not None
         ctx_k = kc.index_select(0, self.context) if need_k else None
         if masked:
             a[self.lo : self.hi] = attention(qs, ctx_k, vc.index_select(0, self.context), scale=scale, mask=self._bias(window))
         if stats:  # one query head per KV head (heads of a group see the same keys)
-            group = qs.shape[1] // ctx_k.shape[1]
-            m = segment_attention_mass(qs[:, ::group], ctx_k, self.positions, self.segments, self.num_segments, scale=scale,
-                                       window=window)
+            group = qs.shape[1] // kc.shape[1]
+            if native_stats:
+                m = native.segment_mass(qs[:, ::group], kc, self.context, self.positions, self.segment_offsets, scale)
+            else:
+                m = segment_attention_mass(qs[:, ::group], ctx_k, self.positions, self.segments, self.num_segments,
+                                           scale=scale, window=window)
             self.mass.index_add_(0, self.alive, m.sum(dim=1))
         if before is not None:
             k_old, v_old = before

@@ -350,3 +350,44 @@ def test_native_positions_can_be_turned_off_but_not_on_without_the_kernel(tiny_m
     monkeypatch.setattr(runner.layers, "native_attention", False)
     with pytest.raises(ValueError):
         runner.layers.native_positions = True
+
+
+def test_statistics_from_the_native_kernel_equal_the_torch_reference(runner, monkeypatch):
+    """The statistics of a fresh prefill over a cached prefix and of recomputed rows at scattered
+    positions come from the float32 kernel (keys read in place; the torch reference is not called)
+    and equal the reference's."""
+    import ragcache_backend.model.chunk_rows as chunk_rows
+    from ragcache_backend.model.kernels import native
+
+    if not native.segment_mass_available(torch.zeros(1, 1, 64), torch.zeros(1, 1, 64)):
+        pytest.skip("float32 native kernels unavailable here")
+    b = Blocks()
+    _, ctx, new, pos = _moved_chunks(runner, b)
+    toks, where, _ = _scattered_recompute(new, pos, 0.3, seed=5)
+    sys_, c1 = _toks(20, 21), _toks(33, 22)
+    ps = b.run(20)
+    _prefill(runner, [(ps, sys_)])
+    p1 = b.run(33)
+    steps = {
+        "suffix": lambda: runner.forward_step([ForwardInput(c1, (ps,), (p1,), stat_segments=(20, 33))]),
+        "explicit": lambda: runner.forward_step([ForwardInput(toks, ctx, (), positions=where,
+                                                              stat_segments=(20, 33, 41, 9))]),
+    }
+    real, calls = chunk_rows.segment_attention_mass, []
+
+    def counted(*args, **kw):
+        calls.append(1)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(chunk_rows, "segment_attention_mass", counted)
+    for name, step in steps.items():
+        calls.clear()
+        fast = torch.tensor(step().attention[0].mass)
+        assert not calls, name
+        monkeypatch.setattr(native, "segment_mass_available", lambda q, k: False)
+        slow = torch.tensor(step().attention[0].mass)
+        monkeypatch.undo()
+        monkeypatch.setattr(chunk_rows, "segment_attention_mass", counted)
+        assert calls, name
+        assert torch.allclose(fast.sum(1), torch.ones(fast.shape[0]), atol=1e-5)
+        assert (fast - slow).abs().max().item() < 1e-5, name

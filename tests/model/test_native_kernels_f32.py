@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ragcache_backend.model.kernels import apply_rope, attention, native, position_mask, prefix_causal_mask, rope_cos_sin
+from ragcache_backend.model.kernels import (apply_rope, attention, native, position_mask, prefix_causal_mask, rope_cos_sin,
+                                           segment_attention_mass)
 from ragcache_backend.model.kernels.native import NativeKernelError
 
 pytestmark = pytest.mark.skipif(not native.available(torch.float32, "cpu", 64),
@@ -54,6 +55,54 @@ def test_paged_attention_rows_do_not_depend_on_the_other_rows():
         assert torch.equal(warm, cold[cached:]), cached
     head = native.paged_prefill_attention(q[:300], kc, vc, slots[:300], 0, 0.125)
     assert torch.equal(head, cold[:300])
+
+
+
+def _offsets(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
+
+
+@pytest.mark.parametrize("context,rows,lengths,hkv,d,explicit", [
+    (1, 1, [1], 3, 64, False), (47, 15, [12, 20, 15], 2, 16, False), (2000, 2000, [200] * 10, 3, 64, False),
+    (777, 60, [100, 1, 600, 76], 3, 64, True), (300, 299, [299, 1], 1, 128, True), (130, 7, [64, 66], 4, 32, True)])
+def test_segment_mass_matches_the_torch_reference(context, rows, lengths, hkv, d, explicit):
+    """Cache-Craft eq. 3-4 statistics read from the arena in place equal the reference (keys
+    gathered, softmax over a masked [T, S] score matrix, one-hot segment sums), for strided query
+    heads (one per KV group, as the runner passes them), rows at the end of the context or at
+    explicit scattered positions, and segments of 1 token up to whole contexts."""
+    kc, _ = _arena(4096, hkv, d, seed=context + rows)
+    g = torch.Generator().manual_seed(3)
+    slots = torch.randperm(4096, generator=g)[:context]
+    group = 3
+    q = torch.randn(rows, hkv * group, d, generator=g)[:, ::group]
+    pos = (torch.sort(torch.randperm(context, generator=g)[:rows]).values if explicit
+           else torch.arange(context - rows, context))
+    segments = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    ref = segment_attention_mass(q, kc[slots], pos, segments, len(lengths), scale=d**-0.5)
+    got = native.segment_mass(q, kc, slots, pos, _offsets(lengths), d**-0.5)
+    assert got.shape == (rows, hkv, len(lengths)) and got.dtype == torch.float32
+    assert (got - ref).abs().max().item() < 2e-6
+    assert torch.allclose(got.sum(-1), torch.ones(rows, hkv), atol=1e-5)
+
+
+def test_segment_mass_refuses_what_would_read_outside_its_inputs():
+    kc, _ = _arena(64, 3, 64, seed=0)
+    q = torch.randn(4, 3, 64)
+    slots, pos = torch.arange(10), torch.tensor([6, 7, 8, 9])
+    assert native.segment_mass(q, kc, slots, pos, _offsets([5, 5]), 0.125).shape == (4, 3, 2)
+    bad = [
+        (q, kc, slots, torch.tensor([6, 7, 8, 10]), _offsets([5, 5])),  # a row past the context
+        (q, kc, slots, torch.tensor([-1, 7, 8, 9]), _offsets([5, 5])),  # a negative position
+        (q, kc, slots, pos, _offsets([5, 4])),  # segments that do not cover the context
+        (q, kc, slots, pos, torch.tensor([0, 5, 5, 10])),  # an empty segment
+        (q, kc, torch.tensor([0, 1, 64]), torch.tensor([0, 1, 2, 2]), _offsets([3])),  # a slot outside the arena
+        (q, kc[:, :2], slots, pos, _offsets([5, 5])),  # heads that disagree
+        (q.double(), kc, slots, pos, _offsets([5, 5])),  # not float32
+        (q, kc, slots, pos.int(), _offsets([5, 5])),  # int32 positions
+    ]
+    for args in bad:
+        with pytest.raises(NativeKernelError):
+            native.segment_mass(*args, 0.125)
 
 
 @pytest.mark.parametrize("context,hq,hkv,d", [(1, 9, 3, 64), (15, 9, 3, 64), (16, 9, 3, 64), (511, 9, 3, 64), (512, 9, 3, 64),

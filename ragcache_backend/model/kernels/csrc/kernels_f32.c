@@ -455,6 +455,106 @@ TGT int rc32_paged_attention(const float *q, int64_t q_row, const float *kc, con
     return 0;
 }
 
+/* ---- attention statistics (Cache-Craft eq. 3-4) ---------------------------------------------- */
+
+/* The softmax mass each query row gives each context segment, for a chunk cache's statistics:
+ *   out[t, h, s] = sum over keys j in [seg_off[s], seg_off[s+1]), j <= qpos[t], of
+ *                  softmax_j(scale * q[t, h] . K_h[j])   (keys 0 .. qpos[t]).
+ *   q: [T, H, D] queries (RoPE applied), row stride q_row and head stride q_head in floats, each
+ *      head's D values contiguous; query head h reads KV head h (pass one query head per group);
+ *   kc: one layer of the arena, [slots, H, D] contiguous; slots: [S] the context's slots in
+ *      position order; qpos: [T] each row's position, in [0, S);
+ *   seg_off: [nseg + 1] segment boundaries, 0 = seg_off[0] < ... < seg_off[nseg] = S;
+ *   out: [T, H, nseg] contiguous.
+ * Scores are the prompt kernel's (packed keys, 4 rows x 16 keys per register tile); the softmax is
+ * taken in two passes over each row's scores (max, then exp), so no rescaling is needed.
+ * Returns 0 on success, 1 if the arguments are out of range, 2 if out of memory. */
+TGT int rc32_segment_mass(const float *q, int64_t q_row, int64_t q_head, const float *kc, const int64_t *slots, int64_t S,
+                          const int64_t *qpos, int64_t T, int64_t H, int64_t D, const int64_t *seg_off, int64_t nseg,
+                          float scale, float *out, int nthreads) {
+    if (T < 1 || S < 1 || H < 1 || D % 16 != 0 || D > DMAX || nseg < 1 || nthreads < 1) return 1;
+    if (seg_off[0] != 0 || seg_off[nseg] != S) return 1;
+    for (int64_t s = 0; s < nseg; s++)
+        if (seg_off[s + 1] <= seg_off[s]) return 1;
+    for (int64_t t = 0; t < T; t++)
+        if (qpos[t] < 0 || qpos[t] >= S) return 1;
+    const int64_t slot_row = H * D, S_pad = (S + KB - 1) / KB * KB, nblk = S_pad / KB, ntile = (T + QT - 1) / QT;
+    float *pack = aligned_alloc(32, (size_t)(H * S_pad * D) * sizeof(float));
+    float *scratch = aligned_alloc(32, (size_t)nthreads * QT * S_pad * sizeof(float));
+    if (!pack || !scratch) {
+        free(pack); free(scratch);
+        return 2;
+    }
+    const __m256 vscale = _mm256_set1_ps(scale);
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t w = 0; w < H * nblk; w++) {
+            int64_t h = w / nblk, c = w % nblk;
+            pack_keys(kc, slot_row, slots, S, h, D, c * KB, (c + 1) * KB, pack + h * S_pad * D);
+        }
+        float *sc = scratch + (size_t)omp_get_thread_num() * QT * S_pad;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t w = 0; w < H * ntile; w++) {
+            const int64_t h = w / ntile, t0 = (w % ntile) * QT;
+            const float *kp = pack + h * S_pad * D;
+            const float *qv[QT];
+            int64_t lim[QT], maxlim = 0;
+            for (int i = 0; i < QT; i++) {
+                int64_t t = t0 + i < T ? t0 + i : T - 1; /* pad a short tile with its last row */
+                qv[i] = q + t * q_row + h * q_head;
+                lim[i] = qpos[t];
+                if (lim[i] > maxlim) maxlim = lim[i];
+            }
+            for (int64_t k16 = 0; k16 * 16 <= maxlim; k16++) { /* scores, 16 keys at a time */
+                __m256 c[QT][2];
+                for (int i = 0; i < QT; i++) c[i][0] = c[i][1] = _mm256_setzero_ps();
+                const float *k0 = kp + 2 * k16 * D * 8, *k1 = k0 + D * 8;
+                for (int64_t d = 0; d < D; d++) {
+                    __m256 a = _mm256_load_ps(k0 + d * 8), b = _mm256_load_ps(k1 + d * 8);
+                    for (int i = 0; i < QT; i++) {
+                        __m256 bq = _mm256_broadcast_ss(qv[i] + d);
+                        c[i][0] = _mm256_fmadd_ps(a, bq, c[i][0]);
+                        c[i][1] = _mm256_fmadd_ps(b, bq, c[i][1]);
+                    }
+                }
+                for (int i = 0; i < QT; i++) {
+                    _mm256_store_ps(sc + i * S_pad + 16 * k16, _mm256_mul_ps(c[i][0], vscale));
+                    _mm256_store_ps(sc + i * S_pad + 16 * k16 + 8, _mm256_mul_ps(c[i][1], vscale));
+                }
+            }
+            for (int i = 0; i < QT && t0 + i < T; i++) {
+                float *si = sc + i * S_pad;
+                const int64_t valid = lim[i] + 1;
+                __m256 bm = _mm256_set1_ps(-INFINITY);
+                for (int64_t j = 0; j < valid; j += 8)
+                    bm = _mm256_max_ps(bm, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_load_ps(si + j), lanes_below(j, valid)));
+                const __m256 mv = _mm256_set1_ps(hmax256(bm));
+                for (int64_t j = 0; j < valid; j += 8) /* exp(score - max), 0 past the row's limit */
+                    _mm256_store_ps(si + j, _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_load_ps(si + j), mv)), lanes_below(j, valid)));
+                float *dst = out + ((t0 + i) * H + h) * nseg, total = 0.0f;
+                for (int64_t s = 0; s < nseg; s++) {
+                    int64_t a = seg_off[s], b = seg_off[s + 1] < valid ? seg_off[s + 1] : valid;
+                    float sum = 0.0f;
+                    if (a < b) {
+                        __m256 acc = _mm256_setzero_ps();
+                        int64_t j = a;
+                        for (; j + 8 <= b; j += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(si + j));
+                        sum = hsum256(acc);
+                        for (; j < b; j++) sum += si[j];
+                    }
+                    dst[s] = sum;
+                    total += sum;
+                }
+                const float inv = 1.0f / total;
+                for (int64_t s = 0; s < nseg; s++) dst[s] *= inv;
+            }
+        }
+    }
+    free(pack); free(scratch);
+    return 0;
+}
+
 /* ---- fused row-wise steps -------------------------------------------------------------------- */
 
 /* Row n of rc32_rope_write. */
