@@ -108,6 +108,28 @@ static void pack_keys(const float *kc, int64_t slot_row, const int64_t *slots, i
     }
 }
 
+/* Scores of a tile's QT query rows against 16 packed keys (two [D][8] panels from k0), scaled:
+ * dst[i * dst_row + 0 .. 15] = scale * q_i . K[0 .. 15]. The register tile of both prompt kernels
+ * (attend_item, rc32_segment_mass), so a row's scores are the same bits in either. */
+TGT static inline __attribute__((always_inline)) void score_tile16(const float *k0, int64_t D, const float *const *qv,
+                                                                     __m256 vscale, float *dst, int64_t dst_row) {
+    const float *k1 = k0 + D * 8;
+    __m256 c[QT][2];
+    for (int i = 0; i < QT; i++) c[i][0] = c[i][1] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        __m256 a = _mm256_load_ps(k0 + d * 8), b = _mm256_load_ps(k1 + d * 8);
+        for (int i = 0; i < QT; i++) {
+            __m256 bq = _mm256_broadcast_ss(qv[i] + d);
+            c[i][0] = _mm256_fmadd_ps(a, bq, c[i][0]);
+            c[i][1] = _mm256_fmadd_ps(b, bq, c[i][1]);
+        }
+    }
+    for (int i = 0; i < QT; i++) {
+        _mm256_store_ps(dst + i * dst_row, _mm256_mul_ps(c[i][0], vscale));
+        _mm256_store_ps(dst + i * dst_row + 8, _mm256_mul_ps(c[i][1], vscale));
+    }
+}
+
 /* One work item: query rows [t0, t1) of KV head h, all g query heads; row t sits at position
  * qpos[t] (qpos: the sequence's row positions) or, with qpos NULL, P + t.
  * kp: this head's packed keys; vc/slots: values read in place. */
@@ -137,23 +159,8 @@ TGT static void attend_item(const float *q, int64_t q_row, int64_t D, int64_t g,
         for (int64_t kb = 0; kb < nblocks; kb++) {
             /* scores of the tile's rows against keys kb*64 .. (up to maxlim), 16 keys at a time */
             const int64_t kend = maxlim - kb * KB + 1 < KB ? maxlim - kb * KB + 1 : KB;
-            for (int64_t k16 = 0; k16 * 16 < kend; k16++) {
-                __m256 c[QT][2];
-                for (int i = 0; i < QT; i++) c[i][0] = c[i][1] = _mm256_setzero_ps();
-                const float *k0 = kp + (kb * (KB / 8) + 2 * k16) * D * 8, *k1 = k0 + D * 8;
-                for (int64_t d = 0; d < D; d++) {
-                    __m256 a = _mm256_load_ps(k0 + d * 8), b = _mm256_load_ps(k1 + d * 8);
-                    for (int i = 0; i < QT; i++) {
-                        __m256 bq = _mm256_broadcast_ss(qv[i] + d);
-                        c[i][0] = _mm256_fmadd_ps(a, bq, c[i][0]);
-                        c[i][1] = _mm256_fmadd_ps(b, bq, c[i][1]);
-                    }
-                }
-                for (int i = 0; i < QT; i++) {
-                    _mm256_store_ps(s[i] + 16 * k16, _mm256_mul_ps(c[i][0], vscale));
-                    _mm256_store_ps(s[i] + 16 * k16 + 8, _mm256_mul_ps(c[i][1], vscale));
-                }
-            }
+            for (int64_t k16 = 0; k16 * 16 < kend; k16++)
+                score_tile16(kp + (kb * (KB / 8) + 2 * k16) * D * 8, D, qv, vscale, s[0] + 16 * k16, KB);
             /* online softmax per row; probabilities replace the scores in s */
             int64_t maxvalid = 0;
             for (int i = 0; i < QT; i++) {
@@ -466,7 +473,7 @@ TGT int rc32_paged_attention(const float *q, int64_t q_row, const float *kc, con
  *      position order; qpos: [T] each row's position, in [0, S);
  *   seg_off: [nseg + 1] segment boundaries, 0 = seg_off[0] < ... < seg_off[nseg] = S;
  *   out: [T, H, nseg] contiguous.
- * Scores are the prompt kernel's (packed keys, 4 rows x 16 keys per register tile); the softmax is
+ * Scores are the prompt kernel's (packed keys, score_tile16); the softmax is
  * taken in two passes over each row's scores (max, then exp), so no rescaling is needed.
  * Returns 0 on success, 1 if the arguments are out of range, 2 if out of memory. */
 TGT int rc32_segment_mass(const float *q, int64_t q_row, int64_t q_head, const float *kc, const int64_t *slots, int64_t S,
@@ -506,23 +513,8 @@ TGT int rc32_segment_mass(const float *q, int64_t q_row, int64_t q_head, const f
                 lim[i] = qpos[t];
                 if (lim[i] > maxlim) maxlim = lim[i];
             }
-            for (int64_t k16 = 0; k16 * 16 <= maxlim; k16++) { /* scores, 16 keys at a time */
-                __m256 c[QT][2];
-                for (int i = 0; i < QT; i++) c[i][0] = c[i][1] = _mm256_setzero_ps();
-                const float *k0 = kp + 2 * k16 * D * 8, *k1 = k0 + D * 8;
-                for (int64_t d = 0; d < D; d++) {
-                    __m256 a = _mm256_load_ps(k0 + d * 8), b = _mm256_load_ps(k1 + d * 8);
-                    for (int i = 0; i < QT; i++) {
-                        __m256 bq = _mm256_broadcast_ss(qv[i] + d);
-                        c[i][0] = _mm256_fmadd_ps(a, bq, c[i][0]);
-                        c[i][1] = _mm256_fmadd_ps(b, bq, c[i][1]);
-                    }
-                }
-                for (int i = 0; i < QT; i++) {
-                    _mm256_store_ps(sc + i * S_pad + 16 * k16, _mm256_mul_ps(c[i][0], vscale));
-                    _mm256_store_ps(sc + i * S_pad + 16 * k16 + 8, _mm256_mul_ps(c[i][1], vscale));
-                }
-            }
+            for (int64_t k16 = 0; k16 * 16 <= maxlim; k16++) /* scores, 16 keys at a time */
+                score_tile16(kp + 2 * k16 * D * 8, D, qv, vscale, sc + 16 * k16, S_pad);
             for (int i = 0; i < QT && t0 + i < T; i++) {
                 float *si = sc + i * S_pad;
                 const int64_t valid = lim[i] + 1;
