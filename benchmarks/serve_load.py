@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import shutil
 import signal
 import socket
@@ -282,7 +281,9 @@ def main() -> None:
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     runners = {"ragcache": run_ragcache, "vllm": run_vllm}
     runs = [runners[name](args, trace, log_dir) for name in args.servers.split(",")]
-    report = {"date": started, "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+    from forward_vs_vllm import machine  # the CPU model and its vector ISA, as every benchmark here reports them
+
+    report = {"date": started, "machine": machine(), "cpus": os.cpu_count(),
               "command": " ".join(sys.argv), "clients": args.clients, "max_tokens": args.max_tokens, "runs": runs}
     ours = runs[0]
     for peer in runs[1:] if ours["server"] == "ragcache" else ():
