@@ -15,7 +15,7 @@ or never (``--no-library``: the trace of the runs before 2026-11-26 run 4, where
 came from repeated questions). Each request
 retrieves its question's top-k (k drawn from ``--k-min``..``--k-max``, 5-8), presents the passages
 in a shuffled order and puts the question *first* (``Question: ... Context: <passages> Answer:``,
-LangChain's stock RAG prompt): the knowledge tree and vLLM's prefix cache can reuse only the
+LangChain's stock RAG prompt; ``--no-question-first`` puts it after the passages): the knowledge tree and vLLM's prefix cache can reuse only the
 template before the question; chunk caches can reuse every passage seen before, at any position.
 
 Quality, per timed request, all over one cache state (``store=False``, ``reuse="chunk"``: every
@@ -182,6 +182,8 @@ def main() -> None:
     ap.add_argument("--zipf", type=float, default=1.0)
     ap.add_argument("--library", action=argparse.BooleanOptionalAction, default=True,
                     help="add the library-section questions (topics) to the pool")
+    ap.add_argument("--question-first", action=argparse.BooleanOptionalAction, default=True,
+                    help="the question before the passages (LangChain's stock RAG prompt); --no-question-first: after them")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--alphas", default="0.25,0.5,1,2,4")
@@ -231,7 +233,7 @@ def main() -> None:
     one, gen = SamplingParams(max_tokens=1), SamplingParams(max_tokens=args.max_tokens)
     prompts = []
     for question, _src, docs in items[: args.warmup]:
-        segs, _ = chunk.segments_for(question, docs, gen, question_first=True)
+        segs, _ = chunk.segments_for(question, docs, gen, question_first=args.question_first)
         prompts.append([t for s in segs for t in s.token_ids])
         chunk.submit_segments(segs, one, recompute=serving).result()
         tree.submit_segments(segs, one).result()
@@ -245,7 +247,7 @@ def main() -> None:
             table[CALIBRATED] = serve_rule
             print(f"[{time.perf_counter() - t0:6.0f}s] calibrated on {n} requests: KL target {calibration.target:.5f} "
                   f"-> {serve_rule.kind} alpha {serve_rule.alpha:g}", flush=True)
-        segs, _ = chunk.segments_for(question, docs, gen, question_first=True)
+        segs, _ = chunk.segments_for(question, docs, gen, question_first=args.question_first)
         prompts.append([t for s in segs for t in s.token_ids])
         ref_res = chunk.submit_segments(segs, gen, use_cache=False).result()
         teacher = list(ref_res.token_ids) or [loaded.tokenizer.eos_token_id]
@@ -448,7 +450,8 @@ def plot(res: dict, path: Path, alphas: list[float]) -> None:
     ax.set_ylabel("share of the no-recompute KL recovered")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    ax.set_title(f"chunk reuse, {res['summary']['requests']} question-first requests, {res['machine']['date']}", fontsize=9)
+    order = "question-first" if res["args"].get("question_first", "True") == "True" else "context-first"
+    ax.set_title(f"chunk reuse, {res['summary']['requests']} {order} requests, {res['machine']['date']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -53,6 +53,8 @@ def main() -> None:
     ap.add_argument("--k-max", type=int, default=8)
     ap.add_argument("--mmlu", type=int, default=200)
     ap.add_argument("--zipf", type=float, default=1.0)
+    ap.add_argument("--question-first", action=argparse.BooleanOptionalAction, default=True,
+                    help="the question before the passages (chunk_eval's default)")
     ap.add_argument("--library", action=argparse.BooleanOptionalAction, default=True,
                     help="library-section questions in the pool (chunk_eval's default trace)")
     ap.add_argument("--seed", type=int, default=0)
@@ -73,7 +75,7 @@ def main() -> None:
     chunk = RAGCacheEngine(cfg, loaded=loaded)
     rule = cfg.recompute_rule()
     one = SamplingParams(max_tokens=1)
-    segs = [chunk.segments_for(q, docs, one, question_first=True)[0] for q, _src, docs in items]
+    segs = [chunk.segments_for(q, docs, one, question_first=args.question_first)[0] for q, _src, docs in items]
     prompts = [[t for s in ss for t in s.token_ids] for ss in segs]
     out = args.json.parent if args.json else Path("bench-results")
     out.mkdir(parents=True, exist_ok=True)
