@@ -15,8 +15,10 @@ or never (``--no-library``: the trace of the runs before 2026-11-26 run 4, where
 came from repeated questions). Each request
 retrieves its question's top-k (k drawn from ``--k-min``..``--k-max``, 5-8), presents the passages
 in a shuffled order and puts the question *first* (``Question: ... Context: <passages> Answer:``,
-LangChain's stock RAG prompt; ``--no-question-first`` puts it after the passages): the knowledge tree and vLLM's prefix cache can reuse only the
+LangChain's stock RAG prompt): the knowledge tree and vLLM's prefix cache can reuse only the
 template before the question; chunk caches can reuse every passage seen before, at any position.
+``--no-question-first`` puts the question after the passages (context-first): then a passage's
+prefix holds other passages but no question.
 
 Quality, per timed request, all over one cache state (``store=False``, ``reuse="chunk"``: every
 passage goes through the rule under test):

@@ -92,7 +92,7 @@ class LibraryQuestion:
         topic: the page, ``library/<stem>`` (e.g. ``library/struct``): questions of one topic
             retrieve overlapping passages.
         text: the question, e.g. ``struct (Interpret bytes as packed binary data): what does the
-            documentation say about Functions?``.
+            documentation say about Functions and Exceptions?``.
     """
 
     topic: str
@@ -104,7 +104,8 @@ def library_questions(docs_dir: Path | None = None, *, min_sections: int = 3) ->
     least ``min_sections`` sub-sections, in file order then document order.
 
     The page title (``struct --- Interpret bytes as packed binary data``) names the module, each
-    deeper heading (``Functions``) one question about it. Inline reST markup is reduced to its
+    deeper heading (``Functions and Exceptions``) one question about it; a heading that names a
+    submodule the same way (``lib2to3 --- 2to3's library``) reads ``lib2to3 (2to3's library)``. Inline reST markup is reduced to its
     text; duplicate headings within a page are asked once.
 
     Raises:
