@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ragcache_backend.retrieval.documents import parse_rst_sections
+from ragcache_backend.retrieval.documents import Section, parse_rst_sections
 from ragcache_backend.errors import CorpusError, CorruptFileError, InvalidRequestError
 
 __all__ = ["LibraryQuestion", "MMLUQuestion", "PYTHON_DOCS_DIR", "demo_corpus_dir", "faq_questions",
@@ -67,21 +67,29 @@ def faq_questions(docs_dir: Path | None = None) -> list[str]:
     from a list"); category headings such as "Core Language" are left out. Inline reST markup is
     reduced to its text. Raises CorpusError if the folder or its FAQ files are missing.
     """
-    faq_dir = (Path(docs_dir) if docs_dir is not None else python_docs_dir()) / "faq"
-    files = sorted(faq_dir.glob("*.rst.txt"))
-    if not files:
-        raise CorpusError(f"no FAQ files (*.rst.txt) in {faq_dir}")
     questions: list[str] = []
+    for _path, headings in _headed_pages(docs_dir, "faq", "FAQ files"):
+        deepest = max((s.level for s in headings), default=1)
+        questions.extend(_plain(s.title) for s in headings
+                         if s.level > 1 and (s.title.endswith("?") or s.level == deepest))
+    return questions
+
+
+def _headed_pages(docs_dir: Path | None, folder: str, what: str) -> list[tuple[Path, list[Section]]]:
+    """Each ``<docs_dir>/<folder>/*.rst.txt`` in name order with its titled sections (title and level
+    set). Raises CorpusError naming ``what`` if there are no such files, or if one is unreadable."""
+    base = (Path(docs_dir) if docs_dir is not None else python_docs_dir()) / folder
+    files = sorted(base.glob("*.rst.txt"))
+    if not files:
+        raise CorpusError(f"no {what} (*.rst.txt) in {base}")
+    pages = []
     for path in files:
         try:
             text = path.read_bytes().decode("utf-8", errors="replace")
         except OSError as exc:
             raise CorpusError(f"cannot read {path}: {exc}") from exc
-        headings = [s for s in parse_rst_sections(text) if s.title is not None and s.level is not None]
-        deepest = max((s.level for s in headings), default=1)
-        questions.extend(_plain(s.title) for s in headings
-                         if s.level > 1 and (s.title.endswith("?") or s.level == deepest))
-    return questions
+        pages.append((path, [s for s in parse_rst_sections(text) if s.title is not None and s.level is not None]))
+    return pages
 
 
 @dataclass(slots=True, frozen=True)
@@ -114,17 +122,8 @@ def library_questions(docs_dir: Path | None = None, *, min_sections: int = 3) ->
     """
     if min_sections < 1:
         raise ValueError(f"min_sections must be >= 1, got {min_sections}")
-    lib_dir = (Path(docs_dir) if docs_dir is not None else python_docs_dir()) / "library"
-    files = sorted(lib_dir.glob("*.rst.txt"))
-    if not files:
-        raise CorpusError(f"no library reference files (*.rst.txt) in {lib_dir}")
     questions: list[LibraryQuestion] = []
-    for path in files:
-        try:
-            text = path.read_bytes().decode("utf-8", errors="replace")
-        except OSError as exc:
-            raise CorpusError(f"cannot read {path}: {exc}") from exc
-        headings = [s for s in parse_rst_sections(text) if s.title is not None and s.level is not None]
+    for path, headings in _headed_pages(docs_dir, "library", "library reference files"):
         if not headings:
             continue
         about = _module_title(headings[0].title)
