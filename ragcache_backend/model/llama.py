@@ -218,6 +218,9 @@ class PagedLlama:
         #: float32 decode-only steps run every layer in one native call (None: not available)
         self._decode_plan = self._build_decode_plan()
         self._native_positions = self.native_attention and native.takes_positions(self.dtype)
+        #: float32 native fused path: the last layer's attention, o_proj and MLP run only for the rows
+        #: whose logits are taken (see :meth:`run`); settable for A/B runs and tests
+        self.last_layer_pruning = self.native_fused and self.dtype == torch.float32
 
     @property
     def native_positions(self) -> bool:
@@ -312,25 +315,41 @@ class PagedLlama:
         h = F.embedding(ids, self._embed.weight)
         return h if self._embed_scale is None else h * self._embed_scale
 
-    def run(self, h: torch.Tensor, st: StepRows, arena: KVArena) -> torch.Tensor:
+    def run(self, h: torch.Tensor, st: StepRows, arena: KVArena, *, last_rows: bool = False) -> torch.Tensor:
         """Every decoder layer over the step's rows, writing their K/V into ``arena`` and dropping
         the rows that stop part-way (``st`` shrinks with them).
 
         Args:
             h: ``[N, hidden]`` embeddings of the step's rows (updated in place on the native fused path).
+            last_rows: return only each sequence's last row (the one its logits come from). On the
+                float32 native fused path (:attr:`last_layer_pruning`), a step of prompt rows
+                without chunk-cache rows then runs the last layer's attention, ``o_proj`` and MLP
+                for those rows only: every row's K/V is still written, and nothing after the last
+                layer's K/V write reads the other rows (~1/num_layers of a prefill's work saved).
+                A prompt row's attention is the same bits alone as in its whole prompt (the
+                kernel's row independence); its three GEMMs run over ``B`` rows (the few-row
+                kernel up to 16 sequences), in a cold prompt as in a cached one, so the two stay
+                alike; against running every row the logits move by float32 rounding only.
 
         Returns:
-            ``[N', hidden]`` hidden states of the rows still computed: final-normed on the native
-            fused path (:attr:`native_fused`), else not (:meth:`logits` norms them).
+            ``[N', hidden]`` hidden states of the rows still computed, or ``[B, hidden]`` (one per
+            sequence) with ``last_rows``: final-normed on the native fused path
+            (:attr:`native_fused`), else not (:meth:`logits` norms them).
         """
         if self.native_fused:
             if self._decode_plan is not None and self._whole_step_decodes(st):
-                return self._decode_step_native(h, st, arena)
-            return self._layers_fused(h, st, arena)
-        for layer_idx in range(self.num_layers):
-            h = self._layer(layer_idx, h, st, arena)
-            h = st.stop_rows(layer_idx, h)[0]
-        return h
+                return self._decode_step_native(h, st, arena)  # one row per sequence already
+            prune = last_rows and self.last_layer_pruning and not st.chunks and len(st.lengths) < h.shape[0]
+            h = self._layers_fused(h, st, arena, prune_last=prune)
+            if prune:
+                return h
+        else:
+            for layer_idx in range(self.num_layers):
+                h = self._layer(layer_idx, h, st, arena)
+                h = st.stop_rows(layer_idx, h)[0]
+        if not last_rows or all(n == 1 for n in st.lengths):
+            return h
+        return h.index_select(0, (torch.tensor(st.offsets[1:]) - 1).to(h.device))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[R, vocab]`` of ``[R, hidden]`` rows of :meth:`run` (the final norm,
@@ -414,14 +433,17 @@ class PagedLlama:
                            arena.v_cache, st.write, st.native_batch, self._scale)
         return x
 
-    def _layers_fused(self, h: torch.Tensor, st: StepRows, arena: KVArena) -> torch.Tensor:
+    def _layers_fused(self, h: torch.Tensor, st: StepRows, arena: KVArena, *, prune_last: bool = False) -> torch.Tensor:
         """Every decoder layer with the native kernels (float32 or bf16); ``h`` (the residual stream) is
-        updated in place. Returns the final-normed hidden states ``[N, hidden]``."""
+        updated in place. Returns the final-normed hidden states ``[N, hidden]``, or with
+        ``prune_last`` (no chunk-cache rows) ``[B, hidden]``: the last layer past its K/V write runs
+        for each sequence's last row only (see :meth:`run`)."""
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         cos, sin = self._rope_tables(st, torch.float32)
         h = h.contiguous()
         x = native.add_rms_norm(h, None, self._weights[0].input_norm, self._weights[0].input_eps)
         a = torch.empty((h.shape[0], hq, d), dtype=self.dtype)
+        last = len(self._weights) - 1
         for idx, w in enumerate(self._weights):
             n = h.shape[0]
             if a.shape[0] != n:  # rows stopped after the last layer
@@ -430,6 +452,8 @@ class PagedLlama:
             qkv = w.qkv(x).view(n, hq + 2 * hkv, d)
             old = [c.before_write(kc, vc, idx) for c in st.chunks]
             native.rope_write(qkv, hq, hkv, cos, sin, kc, vc, st.write)
+            if prune_last and idx == last:
+                return self._last_rows_fused(qkv, h, st, kc, vc, w)
             self._attend_native(qkv[:, :hq], kc, vc, st, a)
             if st.chunks:
                 self._chunks_after_write(st, old, qkv[:, :hq], kc, vc, a, idx)
@@ -446,6 +470,21 @@ class PagedLlama:
             else:
                 x = native.add_rms_norm(h, down, *self._final_norm)
         return x
+
+    def _last_rows_fused(self, qkv: torch.Tensor, h: torch.Tensor, st: StepRows, kc: torch.Tensor, vc: torch.Tensor,
+                         w: _LayerWeights) -> torch.Tensor:
+        """The last layer after its K/V write, for each sequence's last row only: ``qkv`` ``[N, Hq +
+        2 Hkv, D]`` (RoPE applied), ``h`` ``[N, hidden]`` the residual stream. Returns the
+        final-normed hidden states ``[B, hidden]``."""
+        hq, d = self.num_heads, self.head_dim
+        rows = torch.tensor(st.offsets[1:]) - 1
+        q = qkv.index_select(0, rows)[:, :hq]  # [B, Hq, D]
+        batch = native.attention_batch(st.context, [1] * len(rows), st.decode)
+        a = native.paged_attention(q, kc, vc, batch, self._scale)
+        h = h.index_select(0, rows)
+        x = native.add_rms_norm(h, w.o_proj(a.view(len(rows), hq * d)), w.post_norm, w.post_eps)
+        down = w.down_proj(native.silu_mul(w.gate_up(x)))
+        return native.add_rms_norm(h, down, *self._final_norm)
 
     def _attend_native(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, st: StepRows, a: torch.Tensor) -> None:
         """The native kernel over the sequences of ``st.native_batch`` (the ordinary ones, and those

@@ -246,10 +246,8 @@ class ModelRunner:
         h = self.layers.embed(ids)  # [N, hidden]
         # on AMX CPUs the GEMMs treat prompt and decode rows apart; elsewhere rows never depend on M
         with step_rows(st.classify_rows()) if ROWS_BY_CLASS else contextlib.nullcontext():
-            normed = self.layers.run(h, st, self.arena)
+            normed = self.layers.run(h, st, self.arena, last_rows=not all_logits)  # [B or N, hidden]
         offsets = st.offsets
-        rows = torch.arange(offsets[-1]) if all_logits else torch.tensor(offsets[1:]) - 1
-        normed = normed.index_select(0, rows.to(self.device))
         logits = self.layers.logits(normed)
         per_seq = [logits[offsets[i] : offsets[i + 1]] for i in range(len(batch))] if all_logits else list(logits)
         out = StepOutput(per_seq, [None] * len(batch), [None] * len(batch), [None] * len(batch), [0] * len(batch))

@@ -393,6 +393,40 @@ def test_a_decode_step_in_one_native_call_equals_the_per_operation_kernels(tiny_
     assert torch.equal(whole.arena.k_cache, per_op.arena.k_cache) and torch.equal(whole.arena.v_cache, per_op.arena.v_cache)
 
 
+def test_the_last_layer_runs_for_the_logit_rows_only_and_changes_no_kv(tiny_llama):
+    """float32 fused path: the last layer's attention and MLP run for each sequence's last row only
+    (``last_layer_pruning``, on by default). The K/V written is the same bits as without it, the
+    logits agree within float32 rounding with the same argmax, a cached prompt's logits equal its
+    cold ones, and ``all_logits`` still gives every row."""
+    from ragcache_backend.model.runner import ForwardInput, KVRun, ModelRunner
+
+    pruned = ModelRunner(copy.deepcopy(tiny_llama), num_device_blocks=200, block_size=16)
+    whole = ModelRunner(copy.deepcopy(tiny_llama), num_device_blocks=200, block_size=16)
+    assert pruned.layers.last_layer_pruning
+    whole.layers.last_layer_pruning = False
+    g = torch.Generator().manual_seed(21)
+    a, b, c = (tuple(torch.randint(0, 512, (n,), generator=g).tolist()) for n in (300, 70, 600))
+    outs = []
+    for runner in (pruned, whole):
+        runner.forward([ForwardInput(c, (), (KVRun(tuple(range(100, 138)), 0, 600),))])  # a context to decode on
+        step = [ForwardInput(a, (), (KVRun(tuple(range(19)), 0, 300),)),  # a cold prompt
+                ForwardInput(b[40:], (KVRun(tuple(range(20, 25)), 0, 40),), (KVRun(tuple(range(20, 25)), 40, 30),)),
+                ForwardInput((7,), (KVRun(tuple(range(100, 138)), 0, 600),), (KVRun(tuple(range(100, 138)), 600, 1),),
+                             decode=True)]
+        runner.forward([ForwardInput(b[:40], (), (KVRun(tuple(range(20, 25)), 0, 40),))])
+        outs.append(runner.forward(step))
+    for x, y in zip(*outs):
+        assert x.shape == y.shape == (512,)
+        assert (x - y).abs().max().item() < 1e-4 and int(x.argmax()) == int(y.argmax())
+    assert torch.equal(pruned.arena.k_cache, whole.arena.k_cache) and torch.equal(pruned.arena.v_cache, whole.arena.v_cache)
+    # the same prompt with its first 250 tokens cached: the same logits as cold (both pruned)
+    warm = pruned.forward([ForwardInput(a[250:], (KVRun(tuple(range(19)), 0, 250),), (KVRun(tuple(range(40, 44)), 0, 50),))])[0]
+    assert (warm - outs[0][0]).abs().max().item() < 1e-5
+    every = pruned.forward([ForwardInput(a[:64], (), (KVRun(tuple(range(60, 64)), 0, 64),))], all_logits=True)[0]
+    assert every.shape == (64, 512)
+    assert (every[-1] - whole.forward([ForwardInput(a[:64], (), (KVRun(tuple(range(60, 64)), 0, 64),))])[0]).abs().max() < 1e-4
+
+
 def test_the_torch_path_is_kept_when_the_kernels_are_off(tiny_llama, monkeypatch):
     from ragcache_backend.model.runner import ModelRunner
 
