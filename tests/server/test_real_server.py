@@ -282,12 +282,15 @@ async def test_200_concurrent_streaming_clients_get_an_answer_or_a_clear_error(s
 
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     memory = []
-    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as client:
-        for _ in range(2):
+    for _ in range(2):
+        # a client (connection pool) per burst: a connection kept alive from the first burst may be
+        # closed by the server's keep-alive timeout just as the second burst sends on it (a reset
+        # that no server could avoid); every burst opens its 200 connections afresh
+        async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as client:
             outcomes = await asyncio.gather(*(one(client, i) for i in range(200)))
-            print("outcomes:", outcomes.count("answered"), "answered,", outcomes.count("busy"), "busy")
-            assert outcomes.count("answered") >= 72 and set(outcomes) <= {"answered", "busy"}
-            memory.append(rss_mib())
+        print("outcomes:", outcomes.count("answered"), "answered,", outcomes.count("busy"), "busy")
+        assert outcomes.count("answered") >= 72 and set(outcomes) <= {"answered", "busy"}
+        memory.append(rss_mib())
     health = httpx.get(f"{server.url}/health").json()
     assert health["in_flight"] == 0 and health["waiting"] == 0 and health["running"] == 0
     text = httpx.get(f"{server.url}/metrics").text
