@@ -401,13 +401,13 @@ class RAGCacheEngine(EngineCore):
     @staticmethod
     async def _await(handle: RequestHandle) -> GenerationResult:
         inner = asyncio.wrap_future(handle.future)
+        inner.add_done_callback(_retrieved)  # its error reaches the caller through the shield, or is moot
         try:
             return await asyncio.shield(inner)
         finally:
             if not handle.done():  # the awaiting task was cancelled
                 handle.cancel()
                 await _settled(handle)
-            inner.add_done_callback(_retrieved)  # the shielded future's error is the caller's, already raised or moot
 
     async def astream(self, question: str, documents: Sequence[DocumentLike] = (), sampling: SamplingParams | None = None,
                       **kw) -> AsyncIterator[StreamChunk]:
@@ -470,11 +470,12 @@ def _retrieved(fut: asyncio.Future) -> None:
 
 
 async def _settled(handle: RequestHandle) -> None:
-    """Wait until a cancelled request has been finished by the loop (its blocks freed)."""
+    """Wait until a cancelled request has been finished by the loop (its blocks freed). The
+    request's error is retrieved whenever it comes: the caller asked for the cancellation, and may
+    itself be cancelled while it waits (a server shutting down)."""
     fut = asyncio.wrap_future(handle.future)
+    fut.add_done_callback(_retrieved)
     await asyncio.wait([fut])
-    if not fut.cancelled():
-        fut.exception()  # retrieved: the caller asked for the cancellation
 
 
 def _final_chunk(fut) -> StreamChunk | BaseException:

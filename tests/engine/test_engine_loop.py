@@ -354,6 +354,32 @@ async def test_async_cancellation_logs_no_unretrieved_future_error(make_engine, 
     assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
 
 
+async def test_a_stream_cancelled_again_while_it_waits_logs_no_unretrieved_future_error(make_engine, caplog):
+    """A server shutting down cancels its tasks again while a closed stream waits for its request
+    to be finished by the loop: the request is still cancelled and nothing is logged at GC."""
+    engine = make_engine()
+    engine.stop_ids = frozenset()
+    segments, _ = engine.segments_for(QUESTIONS[0], DOCS[:3], LONG)
+    first = asyncio.Event()
+
+    async def consume():
+        async for _chunk in engine.astream_segments(segments, LONG):
+            first.set()
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        task = asyncio.ensure_future(consume())
+        await first.wait()
+        task.cancel()
+        await asyncio.sleep(0)  # into the stream's finally: the request is cancelled, the task waits for it
+        task.cancel()  # ... and is cancelled again while it waits
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await _until_cancelled(engine, 1, "the twice-cancelled stream's request is still running")
+        await asyncio.sleep(0.05)
+        gc.collect()
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
+
+
 # ---- 5, 6: "can never fit" fails at once; "no room now" waits ------------------------------------
 def test_prompt_larger_than_the_arena_fails_at_once(make_engine):
     engine = make_engine(device_blocks=8)  # 128 tokens of KV
