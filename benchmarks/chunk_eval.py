@@ -113,11 +113,15 @@ def forced_scores(ref: torch.Tensor, got: torch.Tensor, tokens: list[int]) -> tu
     """Mean per-token KL(p_ref || p_got) in nats, and the share of positions where ``got``'s argmax is
     the reference's token; ``ref``/``got``: float32 ``[n, vocab]`` logits (teacher-forced)."""
     n = min(len(ref), len(got), len(tokens))
-    p = torch.log_softmax(ref[:n].float(), -1)
-    q = torch.log_softmax(got[:n].float(), -1)
-    kl = (p.exp() * (p - q)).sum(-1).clamp_min(0.0)
     top1 = (got[:n].argmax(-1) == torch.tensor(tokens[:n])).float()
-    return float(kl.mean()), float(top1.mean())
+    return float(kl_rows(ref[:n], got[:n]).mean()), float(top1.mean())
+
+
+def kl_rows(ref: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
+    """KL(p_ref || p_got) in nats of each row of ``[..., vocab]`` logits (float32 ``[...]``, >= 0)."""
+    p = torch.log_softmax(ref.float(), -1)
+    q = torch.log_softmax(got.float(), -1)
+    return (p.exp() * (p - q)).sum(-1).clamp_min(0.0)
 
 
 def letter_ids(tokenizer) -> list[list[int]]:
@@ -129,8 +133,15 @@ def letter_ids(tokenizer) -> list[list[int]]:
     return out
 
 
+def letter_logits(logits: torch.Tensor, ids: list[list[int]]) -> list[float]:
+    """Per letter A-D, the larger logit of its spellings (``ids``: :func:`letter_ids`)."""
+    return [max(float(logits[t]) for t in spelled) for spelled in ids]
+
+
 def letter(logits: torch.Tensor, ids: list[list[int]]) -> int:
-    return max(range(4), key=lambda i: max(float(logits[t]) for t in ids[i]))
+    """The letter (0-3 for A-D) whose spelling has the largest logit."""
+    scores = letter_logits(logits, ids)
+    return max(range(4), key=scores.__getitem__)
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:

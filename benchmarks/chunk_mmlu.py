@@ -50,7 +50,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from chunk_eval import NONE, cfo_name, letter, letter_ids  # noqa: E402
+from chunk_eval import NONE, cfo_name, kl_rows, letter_ids, letter_logits  # noqa: E402
 from forward_vs_vllm import machine  # noqa: E402
 
 from ragcache_backend.bench.workload import question_pool  # noqa: E402
@@ -76,16 +76,8 @@ def wilson(agree: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, mid - half), min(1.0, mid + half)
 
 
-def letter_logits(logits: torch.Tensor, ids: list[list[int]]) -> list[float]:
-    """Per letter A-D, the larger logit of its spellings (``" X"``, ``"X"``)."""
-    return [max(float(logits[t]) for t in spelled) for spelled in ids]
-
-
-def first_token_kl(ref: torch.Tensor, got: torch.Tensor) -> float:
-    """KL(p_ref || p_got) in nats of two float32 ``[vocab]`` logit vectors."""
-    p = torch.log_softmax(ref.float(), -1)
-    q = torch.log_softmax(got.float(), -1)
-    return float((p.exp() * (p - q)).sum().clamp_min(0.0))
+def argmax(scores: list[float]) -> int:
+    return max(range(len(scores)), key=scores.__getitem__)
 
 
 def shuffled_other(items: list, rng: random.Random, avoid: list) -> list:
@@ -150,16 +142,16 @@ def main() -> None:
         runs = {name: chunk.submit_segments(segs, one, reuse="chunk", recompute=rule, store=False, keep_logits=True)
                 for name, rule in table.items()}
         ref = full.result()
-        ref_letter = letter(full.first_logits, letters)
+        ref_logits = letter_logits(full.first_logits, letters)
+        ref_letter = argmax(ref_logits)
         rec = {"question": q.text, "docs": [d.doc_id for d in asked], "prompt_tokens": ref.prompt_tokens,
-               "reference_letter": "ABCD"[ref_letter], "reference_logits": letter_logits(full.first_logits, letters),
-               "rules": {}}
+               "reference_letter": "ABCD"[ref_letter], "reference_logits": ref_logits, "rules": {}}
         for name, h in runs.items():
             res = h.result()
+            got = letter_logits(h.first_logits, letters)
             rec["rules"][name] = {
-                "letter": "ABCD"[letter(h.first_logits, letters)], "agrees": letter(h.first_logits, letters) == ref_letter,
-                "letter_logits": letter_logits(h.first_logits, letters),
-                "kl": first_token_kl(full.first_logits, h.first_logits), "computed_tokens": res.computed_tokens + res.guard_tokens,
+                "letter": "ABCD"[argmax(got)], "agrees": argmax(got) == ref_letter, "letter_logits": got,
+                "kl": float(kl_rows(full.first_logits, h.first_logits)), "computed_tokens": res.computed_tokens + res.guard_tokens,
                 "chunk_hits": res.chunk_hits, "recomputed_tokens": res.recomputed_tokens, "guarded": res.guarded_chunks,
             }
         records.append(rec)
@@ -173,7 +165,7 @@ def main() -> None:
     # mean full-prefill logit over the questions subtracted, for the full prefill and every rule alike)
     prior = [statistics.mean(r["reference_logits"][j] for r in records) for j in range(4)]
     def debiased(logits: list[float]) -> int:
-        return max(range(4), key=lambda j: logits[j] - prior[j])
+        return argmax([x - b for x, b in zip(logits, prior)])
     def order(logits: list[float]) -> list[int]:
         return sorted(range(4), key=lambda j: -logits[j])
     summary = {}
