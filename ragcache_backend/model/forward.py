@@ -168,6 +168,11 @@ class StepRows:
             out.append(out[-1] + n)
         return out
 
+    def last_rows(self) -> torch.Tensor:
+        """``[B]`` int64 (on :attr:`device`): each sequence's last row in the step, the row its logits
+        come from."""
+        return (torch.tensor(self.offsets[1:]) - 1).to(self.device)
+
     def plan_native(self) -> None:
         """The native kernel's batch over the step's sequences as they are now: the ordinary ones,
         and with :attr:`native_positions` those at explicit positions (their rows' current positions;

@@ -349,7 +349,7 @@ class PagedLlama:
                 h = st.stop_rows(layer_idx, h)[0]
         if not last_rows or all(n == 1 for n in st.lengths):
             return h
-        return h.index_select(0, (torch.tensor(st.offsets[1:]) - 1).to(h.device))
+        return h.index_select(0, st.last_rows())
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[R, vocab]`` of ``[R, hidden]`` rows of :meth:`run` (the final norm,
@@ -477,7 +477,7 @@ class PagedLlama:
         2 Hkv, D]`` (RoPE applied), ``h`` ``[N, hidden]`` the residual stream. Returns the
         final-normed hidden states ``[B, hidden]``."""
         hq, d = self.num_heads, self.head_dim
-        rows = torch.tensor(st.offsets[1:]) - 1
+        rows = st.last_rows()
         q = qkv.index_select(0, rows)[:, :hq]  # [B, Hq, D]
         batch = native.attention_batch(st.context, [1] * len(rows), st.decode)
         a = native.paged_attention(q, kc, vc, batch, self._scale)
