@@ -10,9 +10,10 @@
  * the arena: out[t, hq] = softmax(scale * q[t, hq] . K[0..P+t]^T) V[0..P+t]. Rows may instead sit at
  * explicit positions p_t inside the context (chunk-cache recomputation: ascending, < S; qpos), and
  * then attend to K[0..p_t], V[0..p_t] with the same arithmetic. Keys are packed per
- * call into [key/8][D][8] panels (QK^T as broadcast-FMA, 4 query vectors x 16 keys per register
- * tile); values are read in place. Online softmax in float32 over key blocks of 64 fixed at
- * absolute key positions.
+ * call into [key/8][D][8] panels (QK^T as broadcast-FMA, 6 query vectors x 16 keys per register
+ * tile: with GQA groups of 3, two positions' heads), values into [key][D] rows (PV: 6 query vectors
+ * x 16 dims per tile), so the inner loops read contiguous aligned memory and no slot indices.
+ * Online softmax in float32 over key blocks of 64 fixed at absolute key positions.
  *
  * Row independence: every query row is computed with the same operations in the same order
  * whatever the other rows of the call are: (1) key blocks sit at absolute positions, (2) a block
@@ -36,7 +37,7 @@
 
 #define TGT __attribute__((target("avx2,fma")))
 #define KB 64      /* keys per softmax block */
-#define QT 4       /* query vectors per register tile */
+#define QT 6       /* query vectors per register tile (12 accumulators of 16) */
 #define QPOS 16    /* query positions per prompt work item */
 #define DMAX 256   /* largest head size */
 #define DCHUNK 512 /* keys per decode chunk (fixed: a row's result never depends on the batch) */
@@ -108,6 +109,15 @@ static void pack_keys(const float *kc, int64_t slot_row, const int64_t *slots, i
     }
 }
 
+/* Copy values [start, end) of KV head h into vp ([S_pad][D] floats, row j = key j); rows >= S are zero. */
+static void pack_values(const float *vc, int64_t slot_row, const int64_t *slots, int64_t S, int64_t h, int64_t D,
+                        int64_t start, int64_t end, float *vp) {
+    for (int64_t j = start; j < end; j++) {
+        if (j < S) memcpy(vp + j * D, vc + slots[j] * slot_row + h * D, sizeof(float) * (size_t)D);
+        else memset(vp + j * D, 0, sizeof(float) * (size_t)D);
+    }
+}
+
 /* Scores of a tile's QT query rows against 16 packed keys (two [D][8] panels from k0), scaled:
  * dst[i * dst_row + 0 .. 15] = scale * q_i . K[0 .. 15]. The register tile of both prompt kernels
  * (attend_item, rc32_segment_mass), so a row's scores are the same bits in either. */
@@ -132,10 +142,10 @@ TGT static inline __attribute__((always_inline)) void score_tile16(const float *
 
 /* One work item: query rows [t0, t1) of KV head h, all g query heads; row t sits at position
  * qpos[t] (qpos: the sequence's row positions) or, with qpos NULL, P + t.
- * kp: this head's packed keys; vc/slots: values read in place. */
+ * kp, vp: this head's packed keys and values (pack_keys, pack_values). */
 TGT static void attend_item(const float *q, int64_t q_row, int64_t D, int64_t g, int64_t h, int64_t t0, int64_t t1,
-                            int64_t P, const int64_t *qpos, const float *kp, const float *vc, int64_t slot_row, const int64_t *slots,
-                            float scale, float *out, int64_t out_row) {
+                            int64_t P, const int64_t *qpos, const float *kp, const float *vp, float scale, float *out,
+                            int64_t out_row) {
     const int64_t nvec = (t1 - t0) * g;
     float acc[QT][DMAX] __attribute__((aligned(32)));
     float s[QT][KB] __attribute__((aligned(32)));
@@ -173,14 +183,24 @@ TGT static void attend_item(const float *q, int64_t q_row, int64_t D, int64_t g,
                 }
                 if (valid > maxvalid) maxvalid = valid;
                 __m256 bm = _mm256_set1_ps(-INFINITY);
-                for (int64_t j = 0; j < valid; j += 8)
-                    bm = _mm256_max_ps(bm, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_load_ps(s[i] + j), lanes_below(j, valid)));
+                if (valid == KB) { /* a whole block: no lane to mask (the same max and exp as masked) */
+                    for (int64_t j = 0; j < KB; j += 8) bm = _mm256_max_ps(bm, _mm256_load_ps(s[i] + j));
+                } else {
+                    for (int64_t j = 0; j < valid; j += 8)
+                        bm = _mm256_max_ps(bm, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_load_ps(s[i] + j), lanes_below(j, valid)));
+                }
                 const float bmax = hmax256(bm);
                 const float mnew = bmax > m[i] ? bmax : m[i];
                 alpha[i] = mnew == m[i] ? 1.0f : expf(m[i] - mnew);
                 const __m256 mv = _mm256_set1_ps(mnew);
                 __m256 sum = _mm256_setzero_ps();
-                for (int64_t j = 0; j < KB; j += 8) {
+                if (valid == KB) {
+                    for (int64_t j = 0; j < KB; j += 8) {
+                        __m256 p = exp256(_mm256_sub_ps(_mm256_load_ps(s[i] + j), mv));
+                        _mm256_store_ps(s[i] + j, p);
+                        sum = _mm256_add_ps(sum, p);
+                    }
+                } else for (int64_t j = 0; j < KB; j += 8) {
                     __m256 p = j < valid ? _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_load_ps(s[i] + j), mv)), lanes_below(j, valid))
                                          : _mm256_setzero_ps();
                     _mm256_store_ps(s[i] + j, p);
@@ -191,7 +211,7 @@ TGT static void attend_item(const float *q, int64_t q_row, int64_t D, int64_t g,
             }
             if (maxvalid == 0) continue;
             /* PV: acc[i] = acc[i] * alpha[i] + p[i] . V[block], 16 dims at a time */
-            const int64_t *bslots = slots + kb * KB;
+            const float *vblk = vp + kb * KB * D;
             for (int64_t dg = 0; dg < D; dg += 16) {
                 __m256 o[QT][2];
                 for (int i = 0; i < QT; i++) {
@@ -200,8 +220,8 @@ TGT static void attend_item(const float *q, int64_t q_row, int64_t D, int64_t g,
                     o[i][1] = _mm256_mul_ps(_mm256_load_ps(acc[i] + dg + 8), a);
                 }
                 for (int64_t j = 0; j < maxvalid; j++) {
-                    const float *vr = vc + bslots[j] * slot_row + h * D + dg;
-                    __m256 va = _mm256_loadu_ps(vr), vb = _mm256_loadu_ps(vr + 8);
+                    const float *vr = vblk + j * D + dg;
+                    __m256 va = _mm256_load_ps(vr), vb = _mm256_load_ps(vr + 8);
                     for (int i = 0; i < QT; i++) {
                         __m256 bp = _mm256_broadcast_ss(s[i] + j);
                         o[i][0] = _mm256_fmadd_ps(bp, va, o[i][0]);
@@ -353,7 +373,7 @@ TGT int rc32_paged_attention(const float *q, int64_t q_row, const float *kc, con
             dec_keys += S;
         } else {
             int64_t S_pad = (S + KB - 1) / KB * KB;
-            pack_floats += Hkv * S_pad * D;
+            pack_floats += 2 * Hkv * S_pad * D; /* keys, then values */
             npack += Hkv * (S_pad / KB);
             nitems += Hkv * ((T + QPOS - 1) / QPOS);
         }
@@ -402,7 +422,7 @@ TGT int rc32_paged_attention(const float *q, int64_t q_row, const float *kc, con
         if (decode[b]) continue;
         int64_t T = q_off[b + 1] - q_off[b], S = ctx_off[b + 1] - ctx_off[b];
         int64_t S_pad = (S + KB - 1) / KB * KB, nqb = (T + QPOS - 1) / QPOS;
-        at += Hkv * S_pad * D;
+        at += 2 * Hkv * S_pad * D;
         for (int64_t h = 0; h < Hkv; h++)
             for (int64_t c = 0; c < S_pad / KB; c++) packs[np++] = (work32_t){b, h, c, 0, -1};
         for (int64_t qb = nqb - 1; qb >= 0; qb--) /* the latest query blocks (most keys) first */
@@ -430,6 +450,7 @@ TGT int rc32_paged_attention(const float *q, int64_t q_row, const float *kc, con
             int64_t S = ctx_off[it.seq + 1] - ctx_off[it.seq], S_pad = (S + KB - 1) / KB * KB;
             float *kp = pack + pack_at[it.seq] + it.h * S_pad * D;
             pack_keys(kc, slot_row, slots + ctx_off[it.seq], S, it.h, D, it.a * KB, (it.a + 1) * KB, kp);
+            pack_values(vc, slot_row, slots + ctx_off[it.seq], S, it.h, D, it.a * KB, (it.a + 1) * KB, kp + Hkv * S_pad * D);
         }
         }
 #pragma omp for schedule(dynamic, 1) nowait
@@ -444,8 +465,8 @@ TGT int rc32_paged_attention(const float *q, int64_t q_row, const float *kc, con
             } else {
                 int64_t S_pad = (S + KB - 1) / KB * KB;
                 const float *kp = pack + pack_at[it.seq] + it.h * S_pad * D;
-                attend_item(qs, q_row, D, g, it.h, it.a, it.b, S - T, qpos ? qpos + q_off[it.seq] : NULL, kp, vc, slot_row,
-                            slots + ctx_off[it.seq], scale, out + q_off[it.seq] * Hq * D, Hq * D);
+                attend_item(qs, q_row, D, g, it.h, it.a, it.b, S - T, qpos ? qpos + q_off[it.seq] : NULL, kp, kp + Hkv * S_pad * D,
+                            scale, out + q_off[it.seq] * Hq * D, Hq * D);
             }
         }
         if (nmerge > 0) {
