@@ -313,11 +313,22 @@ class EngineCore:
             f"no room in the device arena for request {req.rid} although no other request runs"))
 
     def _refresh_estimates(self) -> None:
+        """Each pending request's cached / computed tokens from the tree now, and the tree nodes
+        its prefill would commit (ids of their key paths: the scheduler passes over a request
+        whose next node another prefill is computing)."""
         for rid in self.scheduler.pending:
             req = self._live[rid]
-            lead = req.plan.lead
-            cached = self.cache.match([s.key for s in lead]).cached_tokens if lead else 0
-            self.scheduler.update(rid, cached, req.prompt_tokens - cached)
+            keys = [s.key for s in req.plan.lead]
+            match = self.cache.match(keys) if keys else None
+            cached = match.cached_tokens if match else 0
+            pieces: list[int] = []
+            if match is not None and req.store and req.reuse == "exact":
+                path = 0  # a node's id: a hash chain over its key path from the root
+                for i, key in enumerate(keys):
+                    path = hash((path, key))
+                    if i >= len(match.nodes):
+                        pieces.append(path)
+            self.scheduler.update(rid, cached, req.prompt_tokens - cached, tuple(pieces))
 
     # ---- admission, prefill, commit --------------------------------------------------------------
     def _admit(self, req: Request) -> bool:

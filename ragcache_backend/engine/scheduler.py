@@ -28,7 +28,13 @@ sequences:
    decoding requests hold theirs) and budget is left: each computes ``min(left, compute)`` tokens
    now, so a prompt longer than what is left (or than the whole budget) is admitted and computes
    its first chunk in this step and the rest in later ones (step 2). Admission stops at the first
-   request that cannot be admitted, so the order is respected.
+   request that cannot be admitted, so the order is respected. One exception: **a request whose
+   next prompt piece is being computed** by an admitted prefill (or by one admitted earlier in
+   the same step) is passed over, not admitted: it would compute the same KV a second time (two
+   requests of a burst retrieving the same new document). It waits for that piece to be committed
+   to the tree, where its refreshed estimate then finds it cached. vLLM gets the same effect by
+   registering a block's hash when the block is scheduled. Pieces are opaque ids the engine gives
+   (:attr:`PendingRequest.pieces`); a request without pieces is never passed over.
 
 The prefills' rows never exceed the budget but, so that decodes filling it (``max_batch_tokens``
 at or below the decode count) never stall a prefill for good, the prefills always get at least
@@ -136,6 +142,9 @@ class PendingRequest:
         chunkable: its prefill may be split over several steps (False: it runs whole in one step).
         bypassed: how many later requests were admitted ahead of this one.
         arrival_s: ``time.perf_counter()`` at :meth:`Scheduler.add`.
+        pieces: ids of the prompt pieces (tree nodes) its prefill would compute and commit, in
+            prompt order, the first one right after its cached prefix (estimate, refreshed with
+            ``cached``); empty when it commits nothing to the tree.
     """
 
     rid: int
@@ -145,6 +154,7 @@ class PendingRequest:
     chunkable: bool = True
     bypassed: int = 0
     arrival_s: float = 0.0
+    pieces: tuple[int, ...] = ()
 
     @property
     def priority(self) -> float:
@@ -201,6 +211,7 @@ class Scheduler:
     _pending: dict[int, PendingRequest] = field(default_factory=dict)
     _prefilling: dict[int, int] = field(default_factory=dict)  # rid -> prompt tokens still to compute, admission order
     _decoding: dict[int, None] = field(default_factory=dict)  # insertion-ordered set
+    _computing: dict[int, frozenset[int]] = field(default_factory=dict)  # rid -> pieces its prefill commits
     _seq: itertools.count = field(default_factory=itertools.count)
 
     # ---- views ---------------------------------------------------------------------------------
@@ -252,15 +263,17 @@ class Scheduler:
     def __contains__(self, rid: int) -> bool:
         return rid in self._pending or rid in self._prefilling or rid in self._decoding
 
-    def update(self, rid: int, cached: int, compute: int) -> None:
-        """Refresh a pending request's cached / computed token estimate."""
+    def update(self, rid: int, cached: int, compute: int, pieces: tuple[int, ...] = ()) -> None:
+        """Refresh a pending request's cached / computed token estimate and the pieces it would
+        compute (:attr:`PendingRequest.pieces`)."""
         entry = self._pending[rid]
-        entry.cached, entry.compute = cached, compute
+        entry.cached, entry.compute, entry.pieces = cached, compute, tuple(pieces)
 
     def remove(self, rid: int) -> bool:
         """Drop a request (cancelled, failed or finished) wherever it is; False if unknown."""
         if self._pending.pop(rid, None) is not None:
             return True
+        self._computing.pop(rid, None)
         if self._prefilling.pop(rid, None) is not None:
             return True
         return self._decoding.pop(rid, 1) is None
@@ -281,6 +294,8 @@ class Scheduler:
             if other.seq < entry.seq:
                 other.bypassed += 1
         self._prefilling[rid] = remaining
+        if entry.pieces:
+            self._computing[rid] = frozenset(entry.pieces)
 
     def advance(self, rid: int, tokens: int) -> bool:
         """A step computed ``tokens`` of a prefilling request's prompt; True when its prefill is
@@ -296,6 +311,7 @@ class Scheduler:
             self._prefilling[rid] = left - tokens
             return False
         del self._prefilling[rid]
+        self._computing.pop(rid, None)
         self._decoding[rid] = None
         return True
 
@@ -326,11 +342,15 @@ class Scheduler:
             chunks.append(PrefillChunk(rid, take, new=False))
             left -= take
         slots = cfg.max_batch_size - len(decode) - len(self._prefilling)
+        computing = set().union(*self._computing.values())  # pieces admitted prefills will commit
         for entry in self.order():
+            if slots > 0 and entry.pieces and entry.pieces[0] in computing:
+                continue  # its next piece is being computed: wait for it in the tree, not compute it twice
             chunk = self._admission(entry, left, alone=not chunks) if slots > 0 else None
             if chunk is None:
                 break  # keep the order: never admit a later request past one that waits
             chunks.append(chunk)
+            computing.update(entry.pieces)
             slots -= 1
             left = max(0, left - chunk.tokens)
         return ScheduledStep(decode, tuple(chunks))

@@ -24,6 +24,7 @@ from ragcache_backend.engine.engine import RAGCacheEngine
 from ragcache_backend.engine.scheduler import SchedulerConfig
 from ragcache_backend.errors import InvalidRequestError, RequestCancelledError
 from ragcache_backend.model.sampling import SamplingParams
+from ragcache_backend.prompts.builder import SegmentKind
 from tests.engine.leaks import assert_at_baseline
 from tests.engine.test_engine_loop import BLOCK_BYTES, DOCS
 
@@ -308,3 +309,42 @@ def test_real_model_chunked_prefill_equals_whole(real_model, fixed_profile):
     finally:
         whole.close()
         chunked.close()
+
+
+# ---- a burst sharing a new document ----------------------------------------------------------------------
+def test_two_requests_retrieving_the_same_new_documents_at_once_compute_them_once(make, monkeypatch):
+    engine, plain = make(), make()
+    engine.stop_ids = frozenset()  # C ends by length only: the loop keeps stepping
+    docs, q2 = DOCS[2:5], "Which of them reads files?"
+    ref_a = plain.generate(Q, docs, GREEDY, use_cache=False)
+    ref_b = plain.generate(q2, docs, GREEDY, use_cache=False)
+    gate, parked = threading.Event(), threading.Event()
+    gate.set()
+
+    def before(_inputs):
+        parked.set()
+        assert gate.wait(30)
+
+    steps = Steps(engine, monkeypatch, before=before)
+    c = engine.submit("Short?", DOCS[:1], SamplingParams(max_tokens=400))  # caches the system prompt
+    while c.metrics.generated_tokens < 2:
+        time.sleep(0.001)
+    gate.clear()
+    parked.clear()
+    assert parked.wait(30)  # the loop waits inside a step: both requests reach the same admission
+    n0 = len(steps.prompt_rows)
+    a, b = engine.submit(Q, docs, GREEDY), engine.submit(q2, docs, GREEDY)
+    gate.set()
+    ra, rb = a.result(timeout=60), b.result(timeout=60)
+    c.cancel()
+    _, lead = _lead(engine, Q, docs)
+    prefix = sum(len(s) for s in lead if s.kind is SegmentKind.PREFIX)  # the system prompt: cached by C
+    documents = sum(len(s) for s in lead if s.kind is SegmentKind.DOCUMENT)
+    first, second = sorted((ra, rb), key=lambda r: r.cached_tokens)  # reordering picks who goes first
+    assert documents > 100 and first.cached_tokens == prefix and second.cached_tokens == prefix + documents
+    prefills = [rows for rows in steps.prompt_rows[n0:] if rows]  # one prefill of the documents alone,
+    assert prefills == [(first.prompt_tokens - prefix,), (second.prompt_tokens - prefix - documents,)]  # the other over them
+    assert ra.token_ids == ref_a.token_ids and rb.token_ids == ref_b.token_ids
+    with pytest.raises(RequestCancelledError):
+        c.result(timeout=20)
+    _idle_at_baseline(engine)

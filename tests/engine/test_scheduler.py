@@ -243,3 +243,52 @@ def test_config_validation():
     s.add(1)
     with pytest.raises(InvalidRequestError):
         s.add(1)
+
+
+def test_a_request_whose_next_piece_is_being_computed_waits_for_it():
+    # a burst: 1 and 2 retrieved the same new document (piece 11 after a cached prefix), 3 another
+    s = Scheduler(SchedulerConfig(max_batch_size=4, max_batch_tokens=1000, reorder=True, window=32))
+    s.add(1, 0, 300)
+    s.add(2, 0, 300)
+    s.add(3, 0, 300)
+    s.update(1, 50, 250, pieces=(11, 12))
+    s.update(2, 50, 250, pieces=(11, 13))
+    s.update(3, 50, 250, pieces=(21,))
+    step = s.schedule()
+    assert _sizes(step) == ((1, 250), (3, 250))  # 2 passed over in the same step: 1 computes piece 11
+    for rid in _ids(step):
+        s.start(rid, 250)
+    assert _ids(s.schedule()) == (1, 3)  # still computing piece 11: 2 keeps waiting
+    assert s.entry(2).bypassed == 1
+    s.advance(1, 100)  # 1 committed piece 11 (its chunk passed it): the engine's refresh finds it cached
+    s.update(2, 200, 100, pieces=(13,))
+    assert _sizes(s.schedule()) == ((1, 150), (3, 250), (2, 100))
+
+
+def test_a_passed_over_request_runs_once_the_piece_computing_prefill_ends_or_fails():
+    for end in ("done", "removed"):
+        s = Scheduler(SchedulerConfig(max_batch_size=4, max_batch_tokens=1000))
+        s.add(1, 0, 200)
+        s.add(2, 0, 200)
+        s.update(1, 0, 200, pieces=(7,))
+        s.update(2, 0, 200, pieces=(7, 8))
+        assert _ids(s.schedule()) == (1,)
+        s.start(1, 200)
+        if end == "done":
+            assert s.advance(1, 200)  # its piece failed to commit: 2 still finds it uncached
+        else:
+            s.remove(1)  # cancelled or failed mid-prefill
+        assert _sizes(s.schedule()) == ((2, 200),)
+
+
+def test_requests_without_pieces_are_never_passed_over():
+    s = Scheduler(SchedulerConfig(max_batch_size=4, max_batch_tokens=1000))
+    s.add(1, 0, 100)
+    s.add(2, 0, 100)
+    s.update(1, 0, 100, pieces=(5,))
+    assert _ids(s.schedule()) == (1, 2)  # 2 commits nothing (a dry run, a chunk mode): no pieces
+    s.start(1, 100)
+    s.start(2, 100)
+    s.add(3, 0, 100)
+    s.update(3, 0, 100, pieces=(6, 5))  # its first piece is not in flight; a later one is
+    assert _ids(s.schedule()) == (1, 2, 3)
