@@ -13,7 +13,8 @@ and 5 s after each burst, and for ragcache the tier bytes against their budgets 
 ``/metrics``. Servers run one after the other (2 cores: never
 both at once), ragcache first; ratios are printed side by side. Both get the same KV memory
 (``--vllm-kv-gib``: vLLM's ``VLLM_CPU_KVCACHE_SPACE``, ragcache's device + host tiers), the same
-sequences and tokens per step (``--max-batch``, ``--max-batch-tokens``: vLLM's CPU server default).
+sequences and tokens per step (``--max-batch`` 8: ragcache's default, vLLM's CPU server has 128;
+``--max-batch-tokens`` 2,048: vLLM's CPU server default).
 
     .venv/bin/python benchmarks/serve_load.py --clients 200 --max-tokens 16 --vllm-kv-gib 3 --json out.json
 """
