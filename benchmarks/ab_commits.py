@@ -5,8 +5,8 @@
         -- forward_vs_vllm.py --no-vllm --dtype float32 --repeats 3
 
 The base version is a git worktree of ``--base`` (under ``benchmarks/.cache/ab-<rev>``, sharing
-this tree's untracked ``benchmarks/models`` and ``benchmarks/.venv-vllm``); the new one is this
-working tree. Each round runs the benchmark script once per version, in alternating
+this tree's untracked ``benchmarks/models``, ``benchmarks/.venv-vllm`` and ``.venv``, whose console
+scripts servers are started with); the new one is this working tree. Each round runs the benchmark script once per version, in alternating
 order (base first in odd rounds), each with ``PYTHONPATH`` on its own tree and the same venv, and
 ``--json`` pointing at a file of its own. Every ``--metric NAME=DOTTED.PATH`` is read from each
 run's JSON; the report gives, per metric, every run's value, the median per version and the ratio
@@ -42,6 +42,9 @@ def worktree(rev: str) -> Path:
         link = path / "benchmarks" / shared
         if (HERE / shared).exists() and not link.exists():
             link.symlink_to(HERE / shared)
+    venv = path / ".venv"  # scripts that start servers run the venv's console scripts (PYTHONPATH picks the tree)
+    if (ROOT / ".venv").exists() and not venv.exists():
+        venv.symlink_to(ROOT / ".venv")
     return path
 
 
