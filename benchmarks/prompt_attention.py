@@ -61,7 +61,8 @@ class Step:
         contexts = []
         for cached, new, _ in seqs:
             s = cached + new
-            take, order = order[:-(-s // 16)], order[-(-s // 16):]
+            n = -(-s // 16)
+            take, order = order[:n], order[n:]  # each sequence its own blocks
             contexts.append(torch.tensor([b * 16 + i for b in take for i in range(16)][:s], dtype=torch.int64))
         self.slots = torch.cat(contexts)
         self.ctx_off = torch.tensor([0, *(c + n for c, n, _ in seqs)], dtype=torch.int64).cumsum(0)
