@@ -182,27 +182,24 @@ TGT static void attend_item(const float *q, int64_t q_row, int64_t D, int64_t g,
                     continue;
                 }
                 if (valid > maxvalid) maxvalid = valid;
+                /* only the vector holding the row's limit has lanes to mask */
                 __m256 bm = _mm256_set1_ps(-INFINITY);
-                if (valid == KB) { /* a whole block: no lane to mask (the same max and exp as masked) */
-                    for (int64_t j = 0; j < KB; j += 8) bm = _mm256_max_ps(bm, _mm256_load_ps(s[i] + j));
-                } else {
-                    for (int64_t j = 0; j < valid; j += 8)
-                        bm = _mm256_max_ps(bm, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_load_ps(s[i] + j), lanes_below(j, valid)));
+                for (int64_t j = 0; j < valid; j += 8) {
+                    __m256 x = _mm256_load_ps(s[i] + j);
+                    if (j + 8 > valid) x = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), x, lanes_below(j, valid));
+                    bm = _mm256_max_ps(bm, x);
                 }
                 const float bmax = hmax256(bm);
                 const float mnew = bmax > m[i] ? bmax : m[i];
                 alpha[i] = mnew == m[i] ? 1.0f : expf(m[i] - mnew);
                 const __m256 mv = _mm256_set1_ps(mnew);
                 __m256 sum = _mm256_setzero_ps();
-                if (valid == KB) {
-                    for (int64_t j = 0; j < KB; j += 8) {
-                        __m256 p = exp256(_mm256_sub_ps(_mm256_load_ps(s[i] + j), mv));
-                        _mm256_store_ps(s[i] + j, p);
-                        sum = _mm256_add_ps(sum, p);
+                for (int64_t j = 0; j < KB; j += 8) {
+                    __m256 p = _mm256_setzero_ps();
+                    if (j < valid) {
+                        p = exp256(_mm256_sub_ps(_mm256_load_ps(s[i] + j), mv));
+                        if (j + 8 > valid) p = _mm256_and_ps(p, lanes_below(j, valid));
                     }
-                } else for (int64_t j = 0; j < KB; j += 8) {
-                    __m256 p = j < valid ? _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_load_ps(s[i] + j), mv)), lanes_below(j, valid))
-                                         : _mm256_setzero_ps();
                     _mm256_store_ps(s[i] + j, p);
                     sum = _mm256_add_ps(sum, p);
                 }
