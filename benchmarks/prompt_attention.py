@@ -32,15 +32,16 @@ sys.path.insert(0, str(HERE))
 
 from forward_vs_vllm import machine  # noqa: E402
 
+from ragcache_backend.model.kernels.native import BUILD_FLAGS  # noqa: E402
+
 SOURCE = "ragcache_backend/model/kernels/csrc/kernels_f32.c"
-FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-std=gnu11")  # ragcache_backend.model.kernels.native builds with these
 
 
 def build(source: str, out: Path) -> ctypes.CDLL:
     """Compile one ``kernels_f32.c`` text into ``out`` and bind ``rc32_paged_attention``."""
     src = out.with_suffix(".c")
     src.write_text(source)
-    subprocess.run(["cc", *FLAGS, "-o", str(out), str(src)], check=True)
+    subprocess.run(["cc", *BUILD_FLAGS, "-o", str(out), str(src)], check=True)
     lib = ctypes.CDLL(str(out))
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     fn = lib.rc32_paged_attention

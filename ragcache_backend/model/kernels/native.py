@@ -38,7 +38,8 @@ from ragcache_backend.config import ragcache_home
 log = logging.getLogger(__name__)
 
 _SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("paged_attention_bf16.c", "fused_bf16.c", "kernels_f32.c"))
-_FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-std=gnu11")
+#: C compiler flags the kernels are built with (benchmarks/prompt_attention.py builds other revisions' kernels alike)
+BUILD_FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-std=gnu11")
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -65,7 +66,7 @@ def _build() -> ctypes.CDLL | None:
         log.warning("native kernels: %s; using the torch path", _why_not)
         return None
     src = b"".join(path.read_bytes() for path in _SOURCES)
-    tag = hashlib.sha256(src + " ".join((cc, *_FLAGS)).encode()).hexdigest()[:16]
+    tag = hashlib.sha256(src + " ".join((cc, *BUILD_FLAGS)).encode()).hexdigest()[:16]
     out_dir = ragcache_home() / "kernels"
     lib_path = out_dir / f"ragcache_kernels-{tag}.so"
     if not lib_path.exists():
@@ -73,7 +74,7 @@ def _build() -> ctypes.CDLL | None:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
         os.close(fd)
         try:
-            subprocess.run([cc, *_FLAGS, "-o", tmp, *map(str, _SOURCES)], check=True, capture_output=True, text=True, timeout=180)
+            subprocess.run([cc, *BUILD_FLAGS, "-o", tmp, *map(str, _SOURCES)], check=True, capture_output=True, text=True, timeout=180)
             os.replace(tmp, lib_path)
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", "") or str(exc)
