@@ -138,10 +138,14 @@ def letter_logits(logits: torch.Tensor, ids: list[list[int]]) -> list[float]:
     return [max(float(logits[t]) for t in spelled) for spelled in ids]
 
 
+def argmax(scores: list[float]) -> int:
+    """Index of the largest score (the first of equal ones)."""
+    return max(range(len(scores)), key=scores.__getitem__)
+
+
 def letter(logits: torch.Tensor, ids: list[list[int]]) -> int:
     """The letter (0-3 for A-D) whose spelling has the largest logit."""
-    scores = letter_logits(logits, ids)
-    return max(range(4), key=scores.__getitem__)
+    return argmax(letter_logits(logits, ids))
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:

@@ -50,7 +50,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from chunk_eval import NONE, cfo_name, kl_rows, letter_ids, letter_logits  # noqa: E402
+from chunk_eval import NONE, argmax, cfo_name, kl_rows, letter_ids, letter_logits  # noqa: E402
 from forward_vs_vllm import machine  # noqa: E402
 
 from ragcache_backend.bench.workload import question_pool  # noqa: E402
@@ -74,10 +74,6 @@ def wilson(agree: int, n: int, z: float = 1.96) -> tuple[float, float]:
     mid = (p + z * z / (2 * n)) / den
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
     return max(0.0, mid - half), min(1.0, mid + half)
-
-
-def argmax(scores: list[float]) -> int:
-    return max(range(len(scores)), key=scores.__getitem__)
 
 
 def shuffled_other(items: list, rng: random.Random, avoid: list) -> list:
