@@ -41,21 +41,36 @@ def real_model() -> LoadedModel:
 
 
 @pytest.fixture(scope="session")
-def tiny_model(real_model: LoadedModel) -> LoadedModel:
-    """A random-initialised 2-layer Llama with GQA and the real tokenizer (fp32, seeded)."""
+def real_tokenizer(request):
+    """The default model's tokenizer: from the model itself, or, where ``RAGCACHE_TEST_TOKENIZER`` names
+    a folder it was saved to (``tokenizer.save_pretrained``), from there: a machine without the model
+    package (the GPU check, ``benchmarks/gpu_check.sh``) runs the tiny-model tests with it."""
+    folder = os.environ.get("RAGCACHE_TEST_TOKENIZER")
+    if not folder:
+        return request.getfixturevalue("real_model").tokenizer
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(real_tokenizer) -> LoadedModel:
+    """A random-initialised 2-layer Llama with GQA and the real tokenizer (fp32, seeded), on
+    :func:`default_device` (``cuda`` where one is visible)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=len(real_model.tokenizer), hidden_size=64, intermediate_size=128,
+        vocab_size=len(real_tokenizer), hidden_size=64, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=False,
-        eos_token_id=real_model.model.config.eos_token_id,
+        eos_token_id=real_tokenizer.eos_token_id,  # <|im_end|>, as the real model's config
     )
-    model = LlamaForCausalLM(cfg).eval()
+    device = default_device()
+    model = LlamaForCausalLM(cfg).eval().to(device)
     return LoadedModel(
-        model=model, tokenizer=real_model.tokenizer, name="tiny-llama", fingerprint="tiny-llama-seed0",
-        dtype=torch.float32, device=default_device(), context_window=2048,
+        model=model, tokenizer=real_tokenizer, name="tiny-llama", fingerprint="tiny-llama-seed0",
+        dtype=torch.float32, device=device, context_window=2048,
     )
 
 

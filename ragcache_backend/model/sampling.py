@@ -157,7 +157,9 @@ def choose_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     Args:
         logits: ``[vocab]``, any float dtype (computed in float32).
         params: the request's sampling parameters.
-        generator: the request's RNG (seeded requests), or None.
+        generator: the request's RNG (seeded requests), or None. A seeded draw is made on the
+            generator's device (a CPU generator: the engine's), so a seed gives the same token on
+            CPU and CUDA for the same probabilities.
         prompt_ids: the prompt's token ids (read only with a repetition penalty).
         generated: the tokens generated so far (penalties).
         allowed: bool ``[vocab]`` from a grammar, or None for no constraint. A mask that allows
@@ -185,7 +187,10 @@ def choose_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
 
 
 def _draw(scaled: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """A draw from ``softmax(scaled)`` after the top-k, top-p and min-p cuts."""
+    """A draw from ``softmax(scaled)`` after the top-k, top-p and min-p cuts, on the generator's device
+    (``torch.multinomial`` refuses a generator of another device)."""
+    if generator is not None and scaled.device != generator.device:
+        scaled = scaled.to(generator.device)
     if params.top_k > 0 and params.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, params.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

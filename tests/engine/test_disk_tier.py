@@ -271,6 +271,9 @@ def test_a_shared_pool_keeps_no_replica_and_moves_nodes_without_copies(tiny_mode
     protects nothing, and host hits are attended in place."""
     from ragcache_backend.model.runner import kv_bytes_per_token
 
+    if tiny_model.device.type != "cpu":
+        pytest.skip("the host tier shares the arena's memory on a CPU only (CUDA keeps copies: "
+                    "test_engine.py::test_host_tier_swap_out_once_and_host_hits checks them)")
     e = make_engine(tiny_model, fixed_profile, device_budget_bytes=40 * 16 * kv_bytes_per_token(tiny_model))  # 40 blocks
     assert e.cache.tiers.shared_pool
     first = e.generate(Q, DOCS, GREEDY)

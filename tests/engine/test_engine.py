@@ -66,7 +66,7 @@ def test_cached_prefix_gives_same_tokens_and_logits(engine):
     assert cached == sum(len(s) for s in segs) - 1  # whole-prompt reuse: all but the last token
     assert (reused - full).abs().max().item() < 1e-4
     # reference: the transformers model's own forward on the same token ids
-    ids = torch.tensor([[t for s in segs for t in s.token_ids]])
+    ids = torch.tensor([[t for s in segs for t in s.token_ids]], device=engine.loaded.device)
     with torch.inference_mode():
         ref = engine.loaded.model(ids).logits[0, -1].float()
     assert (full - ref).abs().max().item() < 1e-4
@@ -165,7 +165,8 @@ def test_host_tier_swap_out_once_and_host_hits(tiny_model, fixed_profile, in_are
     docs = [f"Document number {i} talks about topic {i}. " * 20 for i in range(6)]
     engine = make_engine(tiny_model, fixed_profile, device_budget_bytes=per_block * 60, host_budget_bytes=per_block * 400,
                          host_in_arena=in_arena)
-    assert engine.cache.tiers.shared_pool == in_arena
+    shared = in_arena and tiny_model.device.type == "cpu"  # on CUDA the memories differ: host_in_arena is ignored
+    assert engine.cache.tiers.shared_pool == shared
     reference = {}
     for i in range(6):
         reference[i] = engine.generate(f"question {i}", [docs[i]], GREEDY, use_cache=False).token_ids
@@ -177,7 +178,7 @@ def test_host_tier_swap_out_once_and_host_hits(tiny_model, fixed_profile, in_are
             assert engine.cache.device_used_blocks <= engine.cache.num_device_blocks
     stats = engine.cache.stats
     assert engine.cache.host_used_bytes <= per_block * 400
-    if in_arena:
+    if shared:
         assert stats.moved_out > 0 and stats.moved_in > 0 and stats.host_hits > 0
         assert stats.swap_outs == 0 and stats.swap_ins == 0
     else:

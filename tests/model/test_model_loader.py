@@ -59,8 +59,13 @@ def test_bad_paths_and_architectures(tmp_path, tiny_folder):
         load_model(gpt2)
     with pytest.raises(ModelLoadError, match="unknown dtype"):
         parse_dtype("int3")
-    assert default_model_path().suffix == ".gguf"
     assert json.loads((tiny_folder / "config.json").read_text())["model_type"] == "llama"
+
+
+@pytest.mark.model
+def test_the_default_model_is_the_packaged_llama_gguf():
+    assert default_model_path().suffix == ".gguf"
+    assert model_architecture(default_model_path()) == "llama"  # a GGUF's header, tensors unread
 
 
 def test_an_unsupported_architecture_is_refused_before_any_weight_is_read(tmp_path):
@@ -74,7 +79,6 @@ def test_an_unsupported_architecture_is_refused_before_any_weight_is_read(tmp_pa
     with pytest.raises(ModelLoadError, match="'gemma2' is not supported; supported: gemma3_text, llama, mistral, qwen2, qwen3"):
         load_model(tmp_path)
     assert time.perf_counter() - start < 1.0
-    assert model_architecture(default_model_path()) == "llama"  # a GGUF's header, tensors unread
     # a multimodal Gemma 3 folder is refused with the text-only form named
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3"}))
     with pytest.raises(ModelLoadError, match="text-only form, gemma3_text"):

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The CUDA path, checked on a GPU machine (a lent one has PyTorch and CUDA but no package registry,
+# and our default model's weights do not travel there: its tests use the random tiny Llama with the
+# real tokenizer, saved beside this script's inputs).
+#
+# Prepare here, once (the folder .gpu/ is git-ignored and travels with the working tree):
+#   mkdir -p .gpu && python -c "from ragcache_backend.model.loader import load_model; m = load_model(); \
+#     m.tokenizer.save_pretrained('.gpu/tokenizer'); m.model.config.save_pretrained('.gpu/smollm2-config')"
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux2014_x86_64 -d .gpu/whl pydantic==2.14.4 pydantic_core==2.50.5 annotated_types \
+#     typing_inspection pytest-asyncio tenacity gguf
+# Then on the GPU machine, from the repository root: OUT=/some/folder bash benchmarks/gpu_check.sh
+#
+# 1. pytest on CUDA: the engine, cache, model and vLLM-connector-parts tests that need neither the
+#    real model nor Redis nor llguidance (those run in CI), with every engine on `cuda`;
+# 2. benchmarks/gpu_engine_check.py: exactness through the device, host (pinned) and disk tiers and
+#    TTFT with and without hits, on SmolLM2-135M's shape with random weights.
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu-check}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 RAGCACHE_TEST_TOKENIZER=$PWD/.gpu/tokenizer
+export RAGCACHE_HOME=$(mktemp -d)
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/gpu.txt"
+
+timeout "${PYTEST_S:-300}" python3 -m pytest -q -rfE -p no:cacheprovider -o addopts= --timeout 120 \
+  -m "not model and not slow" -k "not redis" \
+  ${TESTS:-tests/engine tests/cache tests/model tests/integrations/vllm/test_connector_parts.py} \
+  --ignore tests/model/test_grammar.py --ignore tests/cache/test_remote.py --ignore tests/engine/test_remote_tier.py \
+  --junitxml "$OUT/junit.xml" 2>&1 | tee "$OUT/pytest.log" | tail -120
+echo "pytest exit: ${PIPESTATUS[0]}"
+
+timeout "${ENGINE_S:-180}" python3 benchmarks/gpu_engine_check.py --config .gpu/smollm2-config --tokenizer .gpu/tokenizer \
+  --out "$OUT/engine.json" --profile-dir "$OUT" 2>&1 | tail -60
+echo "engine check exit: ${PIPESTATUS[0]}"
