@@ -47,7 +47,8 @@ from ragcache_integrations.vllm.cost import StepSample
 from ragcache_integrations.vllm.plan import StepPlan, host_slots
 from ragcache_integrations.vllm.scheduler import ConnectorScheduler, RequestView, ScheduledRequest
 from ragcache_integrations.vllm.settings import ConnectorSettings, check_world_size, settings_from_extra_config
-from ragcache_integrations.vllm.worker import ConnectorWorker, disk_layout
+from ragcache_integrations.vllm.layout import BlockLayout
+from ragcache_integrations.vllm.worker import ConnectorWorker
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.config import VllmConfig
@@ -198,7 +199,8 @@ class RAGCacheConnector(KVConnectorBase_V1):
         UnsupportedVllmError: an unsupported vLLM version.
         InvalidRequestError: a bad ``kv_connector_extra_config`` key or value, or more than one
             worker (tensor or pipeline parallelism).
-        KVLayoutError: (worker) vLLM's KV tensors are not in the CPU layout.
+        KVLayoutError: (worker) vLLM's KV tensors are in none of the layouts of
+            :class:`~ragcache_integrations.vllm.layout.BlockLayout`, or not of the model's heads.
     """
 
     _cache_hit_source = CacheHitSource.DISK
@@ -252,16 +254,18 @@ class RAGCacheConnector(KVConnectorBase_V1):
     # ---- worker side ---------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         first = next(iter(kv_caches.values()))
+        _, kv_heads, head_size = self._layout
+        layout = BlockLayout.detect(first, self.block_size, kv_heads=kv_heads, head_size=head_size)
         disk = None
         if self.settings.disk_enabled:
-            disk = DiskStore(self.settings.disk_dir, self.fingerprint, disk_layout(tuple(first.shape[1:]), len(kv_caches)),
+            disk = DiskStore(self.settings.disk_dir, self.fingerprint, layout.disk_layout(len(kv_caches)),
                              first.dtype, self.settings.disk_budget_mib * MiB, policy=self.settings.policy)
         self._remote = self._open_remote()
         self._worker = ConnectorWorker(self.block_size, disk, self._remote,
                                        host_slots(self.settings.host_bytes, self.block_bytes))
-        self._worker.register(kv_caches)
-        log.info("ragcache connector (worker): %d layers of %s %s; disk tier %s", len(kv_caches),
-                 tuple(first.shape), first.dtype, disk.directory if disk else "off")
+        self._worker.register(kv_caches, layout)
+        log.info("ragcache connector (worker): %d layers of %s %s on %s (%s layout); disk tier %s", len(kv_caches),
+                 tuple(first.shape), first.dtype, first.device, layout.kind, disk.directory if disk else "off")
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._worker is None or not self.has_connector_metadata():

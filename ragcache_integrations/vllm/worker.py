@@ -9,11 +9,11 @@ layer has written its KV (vLLM's ``save_kv_layer``), it copies that layer of the
 completes into their host slots; after it, it queues them for the disk and remote tiers (encoded
 and written by the stores' own threads, which read the slots, off the step's critical path).
 
-Layout: vLLM's CPU attention keeps each layer as one tensor ``[num_blocks, kv_heads, block_size,
-2 * head_size]`` (K and V packed inside a block in an order that depends on the CPU's ISA), so
-blocks are copied whole and byte for byte, and the ISA is part of the fingerprint that names the
-disk folder. On disk a block is stored in the tier's ``(k, v)`` format ``[layers, block_size,
-kv_heads, head_size]``: the first and second halves of each head's packed block.
+Layout: each layer is one tensor whose first dimension is the block id, in one of the layouts of
+:class:`~ragcache_integrations.vllm.layout.BlockLayout` (vLLM's CPU backend, and on GPUs
+FlashAttention, Triton, FlexAttention and FlashInfer); blocks are copied whole and byte for byte
+along that dimension, on the tensors' device (CUDA: through pinned host memory). On disk and in
+Redis a block is stored in the tiers' ``(k, v)`` format ``[layers, block_size, kv_heads, head_size]``.
 
 A block that is missing, fails its checksum, or whose recorded token ids differ from the request's
 is not written; its vLLM block id is reported, and vLLM recomputes it (the connector sets
@@ -35,17 +35,13 @@ import torch
 from ragcache_backend.cache.disk import DiskStore
 from ragcache_backend.cache.policy import NodeStats
 from ragcache_backend.cache.remote import RemoteStore
-from ragcache_backend.errors import RAGCacheError
 
+from ragcache_integrations.vllm.layout import BlockLayout, KVLayoutError
 from ragcache_integrations.vllm.plan import BlockLoad, BlockSave, StepPlan
 
 __all__ = ["ConnectorWorker", "KVLayoutError", "WorkerCounters"]
 
 log = logging.getLogger(__name__)
-
-
-class KVLayoutError(RAGCacheError):
-    """vLLM's KV tensors have a layout the connector does not copy yet."""
 
 
 @dataclass(slots=True)
@@ -88,8 +84,8 @@ class _HostCopies:
 class ConnectorWorker:
     """Moves blocks for the scheduler side's plans (see the module docstring).
 
-    The host tier is an *arena*: one tensor ``[layers, host_slots, kv_heads, block_size,
-    2 * head_size]`` in vLLM's block layout, allocated and paged in when the KV tensors are
+    The host tier is an *arena*: one tensor ``[layers, host_slots, *block_shape]`` in vLLM's block
+    layout (pinned where vLLM's KV is on a GPU), allocated and paged in when the KV tensors are
     registered (a save never faults fresh pages on the step's path); the scheduler side assigns
     the slots. A slot saved for the disk or remote tier is read by their writer threads; when they
     are done with it the slot is reported (:meth:`take_written`), and only then may the scheduler
@@ -112,7 +108,8 @@ class ConnectorWorker:
         self.counters = WorkerCounters()
         self._layers: list[torch.Tensor] = []
         self._layer_index: dict[str, int] = {}
-        self._arena: torch.Tensor | None = None  # [layers, host_slots, kv_heads, block_size, 2*head_size]
+        self.layout: BlockLayout | None = None  # set by register
+        self._arena: torch.Tensor | None = None  # [layers, host_slots, *block_shape]
         self._held: dict[int, tuple[str, tuple[int, ...]]] = {}  # slot -> (path key, tokens) it holds
         self._rows: list[np.ndarray] = []  # CPU: each layer as [num_blocks, block bytes] (a view, no copy)
         self._arena_rows: list[np.ndarray] = []  # CPU: each arena layer as [host_slots, block bytes]
@@ -122,22 +119,25 @@ class ConnectorWorker:
         self._reading: dict[int, int] = {}  # slot -> writers still reading it
         self._written: set[int] = set()  # slots the writers are done with
 
-    def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+    def register(self, kv_caches: Mapping[str, torch.Tensor], layout: BlockLayout | None = None) -> None:
         """Take vLLM's per-layer KV tensors (model order); allocate the host arena (once).
 
+        Args:
+            kv_caches: layer name -> ``[num_blocks, ...]`` tensor, as vLLM registers them.
+            layout: their :class:`BlockLayout` (the connector detects it against the model's heads);
+                None: detected from the first tensor alone.
+
         Raises:
-            KVLayoutError: a tensor is not ``[num_blocks, kv_heads, block_size, 2 * head_size]``
-                (the CPU layout; GPU layouts are not copied yet), or the layers differ in shape.
+            KVLayoutError: a shape no layout has (see :meth:`BlockLayout.detect`), or the layers
+                differ in shape, dtype or device.
         """
         layers = list(kv_caches.values())
         if not layers:
             raise KVLayoutError("vLLM registered no KV tensors")
         shape = tuple(layers[0].shape)
-        if len(shape) != 4 or shape[2] != self.block_size or shape[3] % 2:
-            raise KVLayoutError(f"KV tensor of shape {shape}: the ragcache connector copies the CPU layout "
-                                f"[num_blocks, kv_heads, block_size={self.block_size}, 2*head_size] only so far")
-        if any(tuple(t.shape) != shape or t.dtype != layers[0].dtype for t in layers):
-            raise KVLayoutError("vLLM's KV tensors differ in shape or dtype between layers")
+        self.layout = layout or BlockLayout.detect(layers[0], self.block_size)
+        if any(tuple(t.shape) != shape or t.dtype != layers[0].dtype or t.device != layers[0].device for t in layers):
+            raise KVLayoutError("vLLM's KV tensors differ in shape, dtype or device between layers")
         self._layers = layers
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         arena_shape = (len(layers), self.host_slots, *shape[1:])
@@ -204,7 +204,7 @@ class ConnectorWorker:
                 self._copy_blocks(self._layers[i], slot_ids, self._arena[i], slots, i, from_arena=True)
             self.counters.load_bytes += len(slots) * self._arena[:, 0].nbytes
         if ids:
-            stacked = torch.stack(blocks, dim=1)  # [layers, n, kv_heads, block_size, 2*head_size]
+            stacked = torch.stack(blocks, dim=1)  # [layers, n, *block_shape]
             for i, layer in enumerate(self._layers):
                 if self._rows:
                     self._rows[i][ids] = _rows(stacked[i])
@@ -222,7 +222,7 @@ class ConnectorWorker:
             if kv is None:
                 return None
             self.counters.loaded_remote += 1
-            return _from_disk(*kv)
+            return self.layout.from_kv(*kv)
         if self.disk is None:
             return None
         entry = self.disk.lookup(load.path_key)
@@ -232,7 +232,7 @@ class ConnectorWorker:
         if kv is None:
             return None
         self.counters.loaded_disk += 1
-        return _from_disk(*kv)
+        return self.layout.from_kv(*kv)
 
     # ---- during and after the forward pass ------------------------------------------------------
     def save_layer(self, plan: StepPlan, layer_name: str) -> None:
@@ -326,7 +326,7 @@ class ConnectorWorker:
             arena.index_copy_(0, where, layer.index_select(0, index).cpu())
 
     def _gather_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """A fresh ``[layers, n, kv_heads, block_size, 2*head_size]`` CPU copy of vLLM's blocks."""
+        """A fresh ``[layers, n, *block_shape]`` CPU copy of vLLM's blocks."""
         first = self._layers[0]
         out = torch.empty((len(self._layers), len(block_ids), *first.shape[1:]), dtype=first.dtype)
         for i, layer in enumerate(self._layers):
@@ -341,12 +341,12 @@ class ConnectorWorker:
         return (s.to_disk and self.disk is not None) or (s.to_remote and self.remote is not None)
 
     def _queue_writes(self, s: BlockSave, block: torch.Tensor, *, released: bool) -> None:
-        """Queue ``block`` (``[layers, kv_heads, bs, 2*hs]``) for the disk and remote tiers; when it
+        """Queue ``block`` (``[layers, *block_shape]``) for the disk and remote tiers; when it
         is the save's slot (``released``), report the slot once every writer is done reading it."""
         done = functools.partial(self._release, s.slot) if released else None
         if released:
             self._hold(s.slot)  # a guard: a fast writer must not report the slot before both are queued
-        k, v = _to_disk(block)
+        k, v = self.layout.to_kv(block)
         if s.to_disk and self.disk is not None:
             if released:
                 self._hold(s.slot)
@@ -392,23 +392,3 @@ def _rows(t: torch.Tensor) -> np.ndarray:
     if not t.is_contiguous():
         raise KVLayoutError("a block copy needs contiguous tensors")  # a reshape would copy: writes would be lost
     return t.view(torch.uint8).numpy().reshape(t.shape[0], -1)
-
-
-def _to_disk(block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[layers, kv_heads, bs, 2*hs]`` -> ``(k, v)`` ``[layers, bs, kv_heads, hs]`` (byte-exact halves),
-    as views: the disk and remote writers make them contiguous in their own threads."""
-    layers, heads, bs, two_hs = block.shape
-    halves = block.reshape(layers, heads, 2, bs, two_hs // 2)  # a view: each head's block is contiguous
-    return halves[:, :, 0].permute(0, 2, 1, 3), halves[:, :, 1].permute(0, 2, 1, 3)
-
-
-def _from_disk(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`_to_disk`."""
-    layers, bs, heads, hs = k.shape
-    both = torch.stack([k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)], dim=2)  # [layers, heads, 2, bs, hs]
-    return both.reshape(layers, heads, bs, 2 * hs)
-
-
-def disk_layout(block_shape: tuple[int, ...], num_layers: int) -> tuple[int, int, int]:
-    """The disk tier's ``(layers, kv_heads, head_dim)`` for vLLM blocks ``[kv_heads, bs, 2*hs]``."""
-    return (num_layers, int(block_shape[0]), int(block_shape[2]) // 2)

@@ -13,12 +13,14 @@ from ragcache_backend.cache.disk import DiskStore, entry_file, store_folder
 from ragcache_integrations.vllm.plan import StepPlan, block_path_keys
 from ragcache_integrations.vllm.scheduler import ConnectorScheduler, RequestView, ScheduledRequest
 from ragcache_integrations.vllm.settings import check_world_size, settings_from_extra_config
-from ragcache_integrations.vllm.worker import ConnectorWorker, KVLayoutError, _from_disk, _to_disk, disk_layout
+from ragcache_integrations.vllm.layout import BlockLayout
+from ragcache_integrations.vllm.worker import ConnectorWorker, KVLayoutError
 from ragcache_backend.errors import InvalidRequestError
 
 BS = 4
 LAYERS, HEADS, HS = 3, 2, 8
 BLOCK_BYTES = LAYERS * HEADS * BS * 2 * HS * 4  # one float32 block over all layers
+DISK_LAYOUT = (LAYERS, HEADS, HS)  # the tiers' (layers, kv_heads, head_size)
 
 
 def kv_tensors(num_blocks: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -44,7 +46,7 @@ def disk_worker(tmp_path, seed: int, slots: int):
     """vLLM-like KV tensors, a real disk tier, a scheduler side with ``slots`` host blocks, and a
     worker registered over them."""
     src = kv_tensors(seed=seed)
-    disk = DiskStore(tmp_path, "fp", disk_layout((HEADS, BS, 2 * HS), LAYERS), torch.float32, 1 << 30)
+    disk = DiskStore(tmp_path, "fp", DISK_LAYOUT, torch.float32, 1 << 30)
     sched = ConnectorScheduler(BS, BLOCK_BYTES, slots * BLOCK_BYTES, store_folder(tmp_path, "fp"))
     worker = ConnectorWorker(BS, disk, host_slots=sched.num_slots)
     worker.register(src)
@@ -140,9 +142,33 @@ def test_disk_tier_is_found_by_file(tmp_path) -> None:
 
 def test_block_disk_format_round_trips_bytes() -> None:
     block = torch.randn(LAYERS, HEADS, BS, 2 * HS)
-    k, v = _to_disk(block)
+    cpu = BlockLayout.detect(torch.zeros(1, HEADS, BS, 2 * HS), BS)
+    assert cpu.kind == "packed_cpu" and cpu.disk_layout(LAYERS) == DISK_LAYOUT
+    k, v = cpu.to_kv(block)
     assert k.shape == (LAYERS, BS, HEADS, HS)
-    assert torch.equal(_from_disk(k, v), block)
+    # as cpu_attn.py views a block: [heads, 2 * block_size, head_size], K rows first, then V rows
+    rows = block.reshape(LAYERS, HEADS, 2 * BS, HS)
+    assert torch.equal(k[:, 3, 1], rows[:, 1, 3]) and torch.equal(v[:, 3, 1], rows[:, 1, BS + 3])
+    assert torch.equal(cpu.from_kv(k, v), block)
+
+
+@pytest.mark.parametrize("kind", ["packed", "split"])
+def test_gpu_layouts_map_to_the_true_keys_and_values(kind) -> None:
+    """On GPUs the tiers hold real K and V: FlashAttention's packed rows (K then V per head and token),
+    FlashInfer's split halves; and the mapping is exact both ways."""
+    g = torch.Generator().manual_seed(3)
+    keys, values = torch.randn(LAYERS, BS, HEADS, HS, generator=g), torch.randn(LAYERS, BS, HEADS, HS, generator=g)
+    if kind == "packed":  # [heads, bs, 2*hs] per block, as flash_attn.py splits it
+        block = torch.cat([keys.permute(0, 2, 1, 3), values.permute(0, 2, 1, 3)], dim=-1)
+        one = torch.zeros(1, HEADS, BS, 2 * HS)
+    else:  # [2, bs, heads, hs]
+        block = torch.stack([keys, values], dim=1)
+        one = torch.zeros(1, 2, BS, HEADS, HS)
+    layout = BlockLayout.detect(one, BS, kv_heads=HEADS, head_size=HS, platform="cuda")
+    assert layout.kind == kind and layout.disk_layout(LAYERS) == DISK_LAYOUT
+    k, v = layout.to_kv(block)
+    assert torch.equal(k, keys) and torch.equal(v, values)
+    assert torch.equal(layout.from_kv(k, v), block)
 
 
 def test_worker_saves_and_loads_blocks_exactly_through_host_and_disk(tmp_path) -> None:
@@ -181,7 +207,7 @@ def test_worker_saves_and_loads_blocks_exactly_through_host_and_disk(tmp_path) -
 
 def test_worker_refuses_foreign_tokens_damaged_files_and_missing_blocks(tmp_path) -> None:
     src = kv_tensors(seed=2)
-    disk = DiskStore(tmp_path, "fp", disk_layout((HEADS, BS, 2 * HS), LAYERS), torch.float32, 1 << 30)
+    disk = DiskStore(tmp_path, "fp", DISK_LAYOUT, torch.float32, 1 << 30)
     worker = ConnectorWorker(BS, disk)
     worker.register(src)
     folder = store_folder(tmp_path, "fp")
@@ -212,10 +238,17 @@ def test_worker_refuses_foreign_tokens_damaged_files_and_missing_blocks(tmp_path
 
 def test_worker_refuses_a_layout_it_does_not_copy() -> None:
     worker = ConnectorWorker(BS, None)
-    with pytest.raises(KVLayoutError, match="CPU layout"):
+    with pytest.raises(KVLayoutError, match="FlashInfer"):
         worker.register({"l0": torch.zeros(2, 8, BS, HEADS, HS)})
+    with pytest.raises(KVLayoutError, match="FlashInfer"):
+        worker.register({"l0": torch.zeros(2, HEADS, BS + 1, 2 * HS)})  # another block size
     with pytest.raises(KVLayoutError):
         worker.register({})
+    with pytest.raises(KVLayoutError, match="differ"):
+        worker.register({"l0": torch.zeros(2, HEADS, BS, 2 * HS), "l1": torch.zeros(2, HEADS, BS, 2 * HS, dtype=torch.float16)})
+    # Triton pads each head (2 * (head_size + pad)): refused against the model's head size, not copied as another layout
+    with pytest.raises(KVLayoutError, match="padded"):
+        BlockLayout.detect(torch.zeros(2, HEADS, BS, 2 * (HS + 4)), BS, kv_heads=HEADS, head_size=HS)
 
 
 def test_settings_take_serves_names_env_and_extra_config(monkeypatch, tmp_path) -> None:
@@ -284,7 +317,7 @@ def test_a_request_whose_load_failed_saves_nothing_of_that_step(tmp_path) -> Non
 def test_two_replicas_share_blocks_through_a_real_redis(redis_server) -> None:
     from ragcache_backend.cache.remote import RemoteStore
 
-    layout = disk_layout((HEADS, BS, 2 * HS), LAYERS)
+    layout = DISK_LAYOUT
     src, dst = kv_tensors(seed=4), {n: torch.zeros_like(t) for n, t in kv_tensors().items()}
     remote_a = RemoteStore(redis_server.url, "fp", layout, torch.float32)
     remote_b = RemoteStore(redis_server.url, "fp", layout, torch.float32)
@@ -409,3 +442,68 @@ def test_more_than_one_vllm_worker_is_refused() -> None:
         check_world_size(2, 1)
     with pytest.raises(InvalidRequestError, match="1 x 2"):
         check_world_size(1, 2)
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def vllm_kv(kind: str, device: str, num_blocks: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Per-layer KV tensors in one of vLLM's layouts: ``packed`` (contiguous), ``packed-nhd`` (a
+    permuted view of ``[num_blocks, block_size, kv_heads, 2*head_size]`` storage, vLLM's NHD stride
+    order) or ``split`` (FlashInfer's ``[num_blocks, 2, block_size, kv_heads, head_size]``)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for i in range(LAYERS):
+        if kind == "packed":
+            t = torch.randn(num_blocks, HEADS, BS, 2 * HS, generator=g)
+        elif kind == "packed-nhd":
+            t = torch.randn(num_blocks, BS, HEADS, 2 * HS, generator=g).permute(0, 2, 1, 3)
+        else:
+            t = torch.randn(num_blocks, 2, BS, HEADS, HS, generator=g)
+        out[f"model.layers.{i}.self_attn"] = t.to(device)
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["packed", "packed-nhd", "split"])
+def test_worker_copies_every_layout_exactly_through_host_disk_and_a_restart(tmp_path, kind, device) -> None:
+    """vLLM's KV in each layout it registers, on the CPU and (where one is visible) a GPU: blocks saved
+    through the host arena and the disk tier come back byte for byte into other block ids, in this
+    process (host tier) and in a fresh one (disk tier); on a GPU the disk holds the true K."""
+    src = vllm_kv(kind, device, seed=5)
+    layout = BlockLayout.detect(next(iter(src.values())), BS, kv_heads=HEADS, head_size=HS)
+    assert layout.kind == ("split" if kind == "split" else "packed_cpu" if device == "cpu" else "packed")
+    disk = DiskStore(tmp_path, "fp", layout.disk_layout(LAYERS), torch.float32, 1 << 30)
+    sched = ConnectorScheduler(BS, BLOCK_BYTES, 64 * BLOCK_BYTES, store_folder(tmp_path, "fp"))
+    worker = ConnectorWorker(BS, disk, host_slots=sched.num_slots)
+    worker.register(src, layout)
+    tokens = list(range(13))
+    _, plan = run_prefill(sched, "a", tokens, [2, 5, 7, 1])
+    assert worker.load(plan).failed_block_ids == set()
+    worker.save_layer(plan, list(src)[0])
+    worker.save(plan)
+    assert disk.flush(10)
+    sched.written(worker.take_written())
+    if kind != "split" and device != "cpu":  # the tiers' k is FlashAttention's K half of each row
+        entry = disk.lookup(plan.saves[0].path_key)
+        k, _ = disk.load(entry)
+        first = src["model.layers.0.self_attn"][2]  # [heads, bs, 2*hs]
+        assert torch.equal(k[0], first[..., :HS].permute(1, 0, 2).cpu())
+    # the host tier, into other block ids of fresh tensors in the same layout
+    dst = {n: torch.zeros_like(t) for n, t in src.items()}
+    worker.register(dst, layout)
+    _, plan2 = run_prefill(sched, "b", tokens, [3, 4, 6, 8])
+    assert {ld.tier for ld in plan2.loads} == {"host"} and worker.load(plan2).failed_block_ids == set()
+    # a restart: only the disk tier is left
+    dst2 = {n: torch.zeros_like(t) for n, t in src.items()}
+    worker2 = ConnectorWorker(BS, DiskStore(tmp_path, "fp", disk.layout, torch.float32, 1 << 30))
+    worker2.register(dst2, layout)
+    ext, plan3 = run_prefill(ConnectorScheduler(BS, 1, 1 << 30, store_folder(tmp_path, "fp")), "c", tokens, [9, 10, 11, 12])
+    assert ext == 12 and {ld.tier for ld in plan3.loads} == {"disk"}
+    assert worker2.load(plan3).failed_block_ids == set()
+    for name in src:
+        assert torch.equal(dst[name][[3, 4, 6]], src[name][[2, 5, 7]])
+        assert torch.equal(dst2[name][[9, 10, 11]], src[name][[2, 5, 7]])
+        assert not dst[name][[0, 1, 2, 5]].any() and not dst2[name][:9].any()  # nothing else written
+    worker.close()
+    worker2.close()
