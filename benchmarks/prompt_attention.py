@@ -1,5 +1,6 @@
-"""The float32 prompt attention kernel alone (``rc32_paged_attention``), this tree's against an
-earlier revision's, interleaved in one process: time, GFLOPS and whether the outputs are the same bits.
+"""The float32 attention kernel alone (``rc32_paged_attention``: prompt rows and decode rows), this
+tree's against an earlier revision's, interleaved in one process: time, GFLOPS and whether the
+outputs are the same bits.
 
     .venv/bin/python benchmarks/prompt_attention.py --base 0c538b4 [--repeats 9] [--json OUT]
 
@@ -7,8 +8,9 @@ Both versions' ``kernels_f32.c`` are compiled here with the flags the package bu
 called through ctypes on the same inputs: one layer of the default model's shape (SmolLM2-135M: 9
 query heads, 3 KV heads, head size 64), contexts in shuffled 16-slot blocks of an arena as the
 engine lays them out, 2 threads. Cases: cold prompts of 1,000 and 2,000 tokens, 512 new tokens over
-1,536 cached, and a burst-like mixed step (prompts of 915, 788 and 343 tokens and two decode rows
-over 1,000). FLOPs counted are the causal ones (4 * head size * query heads per query-key pair).
+1,536 cached, a burst-like mixed step (prompts of 915, 788 and 343 tokens and two decode rows
+over 1,000), and decode steps over all 30 layers, each layer its own arena (1 or 8 generated tokens
+over 1,900 keys, 8 over 300), so that their KV comes from memory as in a real step. FLOPs counted are the causal ones (4 * head size * query heads per query-key pair).
 Each round times both versions one after the other, in alternating order; median (min) reported.
 """
 
@@ -53,11 +55,13 @@ def build(source: str, out: Path) -> ctypes.CDLL:
 class Step:
     """One forward step's attention inputs: sequences of ``(cached, new, decode)`` over a shared arena."""
 
-    def __init__(self, seqs: list[tuple[int, int, bool]], hq: int, hkv: int, d: int, gen: torch.Generator):
+    def __init__(self, seqs: list[tuple[int, int, bool]], hq: int, hkv: int, d: int, gen: torch.Generator,
+                 layers: int = 1):
         total = sum(c + n for c, n, _ in seqs)
         nblocks = -(-total // 16) + len(seqs)
-        self.k = torch.randn(nblocks * 16, hkv, d, generator=gen)
-        self.v = torch.randn(nblocks * 16, hkv, d, generator=gen)
+        # one arena per layer: a step's layers read KV no cache holds (decode steps are bound by that)
+        self.ks = [torch.randn(nblocks * 16, hkv, d, generator=gen) for _ in range(layers)]
+        self.vs = [torch.randn(nblocks * 16, hkv, d, generator=gen) for _ in range(layers)]
         order = torch.randperm(nblocks, generator=gen).tolist()
         contexts = []
         for cached, new, _ in seqs:
@@ -71,15 +75,16 @@ class Step:
         self.decode = torch.tensor([dec for *_, dec in seqs], dtype=torch.uint8)
         self.q = torch.randn(int(self.q_off[-1]), hq, d, generator=gen)
         self.shape = (len(seqs), hq, hkv, d)
-        self.flops = sum(4 * d * hq * (c + t + 1) for c, n, _ in seqs for t in range(n))
+        self.flops = layers * sum(4 * d * hq * (c + t + 1) for c, n, _ in seqs for t in range(n))
 
     def run(self, lib: ctypes.CDLL, out: torch.Tensor, threads: int) -> None:
         b, hq, hkv, d = self.shape
-        rc = lib.rc32_paged_attention(self.q.data_ptr(), self.q.stride(0), self.k.data_ptr(), self.v.data_ptr(),
-                                      self.slots.data_ptr(), self.ctx_off.data_ptr(), self.q_off.data_ptr(),
-                                      self.decode.data_ptr(), None, b, hq, hkv, d, d ** -0.5, out.data_ptr(), threads)
-        if rc != 0:
-            raise RuntimeError(f"rc32_paged_attention returned {rc}")
+        for k, v in zip(self.ks, self.vs):  # every layer writes the same out: the last layer's is compared
+            rc = lib.rc32_paged_attention(self.q.data_ptr(), self.q.stride(0), k.data_ptr(), v.data_ptr(),
+                                          self.slots.data_ptr(), self.ctx_off.data_ptr(), self.q_off.data_ptr(),
+                                          self.decode.data_ptr(), None, b, hq, hkv, d, d ** -0.5, out.data_ptr(), threads)
+            if rc != 0:
+                raise RuntimeError(f"rc32_paged_attention returned {rc}")
 
 
 def main() -> None:
@@ -105,6 +110,10 @@ def main() -> None:
             "512 over 1,536 cached": Step([(1536, 512, False)], *shape, gen),
             "mixed: 915 + 788 + 343 + 2 decodes": Step([(0, 915, False), (0, 788, False), (0, 343, False),
                                                          (999, 1, True), (999, 1, True)], *shape, gen),
+            # decode steps, every layer of the model (30): the KV is read from memory, as in a real step
+            "decode: 1 over 1,900, 30 layers": Step([(1899, 1, True)], *shape, gen, layers=30),
+            "decode: 8 over 1,900, 30 layers": Step([(1899, 1, True)] * 8, *shape, gen, layers=30),
+            "decode: 8 over 300, 30 layers": Step([(299, 1, True)] * 8, *shape, gen, layers=30),
         }
         times: dict[str, dict[str, list[float]]] = {name: {"base": [], "new": []} for name in cases}
         same: dict[str, bool] = {}

@@ -107,9 +107,10 @@ def test_segment_mass_refuses_what_would_read_outside_its_inputs():
 
 @pytest.mark.parametrize("context,hq,hkv,d", [(1, 9, 3, 64), (15, 9, 3, 64), (16, 9, 3, 64), (511, 9, 3, 64), (512, 9, 3, 64),
                                               (513, 9, 3, 64), (1000, 9, 3, 64), (3000, 9, 3, 64), (77, 8, 1, 128),
-                                              (600, 10, 1, 32)])
+                                              (600, 10, 1, 32), (300, 4, 4, 64), (700, 5, 1, 64)])
 def test_decode_kernel_matches_the_reference(context, hq, hkv, d):
-    """Contexts over 512 keys are split into chunks whose partial softmax sums are merged."""
+    """Contexts over 512 keys are split into chunks whose partial softmax sums are merged; query
+    heads per KV head from 1 to 10 (value tiles of 1 to 4 heads)."""
     kc, vc = _arena(4096, hkv, d, seed=context)
     g = torch.Generator().manual_seed(9)
     slots = torch.randperm(4096, generator=g)[:context]
