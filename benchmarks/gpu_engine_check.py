@@ -9,8 +9,8 @@ device tier too small for the pool, a pinned host tier and a disk tier, so that 
 each tier (a host hit is copied host -> device; a disk hit is read, checked and copied in).
 
 For each request, in float32: the answer with the cache equals the answer without it (greedy, same
-tokens) and the last prompt token's logits agree within 1e-3; cached tokens and the tier of each
-hit are counted. Then TTFT (median of ``--repeats``) for a cold prompt, the same prompt fully
+tokens) and the last prompt token's logits agree within 1e-3 (the script exits non-zero otherwise);
+cached tokens and the tier of each hit are counted. Then TTFT (median of ``--repeats``) for a cold prompt, the same prompt fully
 cached, and a prompt whose documents are cached but whose question is new, in float32 and
 bfloat16. Prints one JSON object (and writes it to ``--out``).
 
@@ -169,6 +169,9 @@ def main() -> None:
     print(text)
     if args.out:
         args.out.write_text(text)
+    ex = report["exactness_fp32"]
+    if ex["same_tokens"] < ex["requests"] or ex["max_logit_diff"] > 1e-3 or not ex["restart"]["same_tokens"]:
+        raise SystemExit("exactness failed: answers or logits with the cache differ from those without it")
 
 
 if __name__ == "__main__":

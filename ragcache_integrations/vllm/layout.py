@@ -5,13 +5,13 @@ vLLM hands a KV connector one tensor per attention layer whose first dimension i
 connector recognises, ``offloading/canonical_mapping.py``):
 
 - **packed** ``[num_blocks, kv_heads, block_size, 2 * head_size]``: the CPU backend and, on GPUs,
-  FlashAttention, Triton and FlexAttention. On a GPU each (head, token) row holds K then V
-  (``kv_cache.transpose(1, 2).split(head_size, -1)`` in ``flash_attn.py``); on the CPU each head's
+  FlashAttention, FlashInfer, Triton and FlexAttention. On a GPU each (head, token) row holds K
+  then V (``kv_cache.transpose(1, 2).split(head_size, -1)`` in ``flash_attn.py``); on the CPU each head's
   block holds its ``block_size`` K rows then its V rows (``cpu_attn.py`` views the block as
   ``[kv_heads, 2 * block_size, head_size]``), packed inside in an ISA-dependent order, which is why
   the CPU's ISA is part of the connector's fingerprint.
 - **split** ``[num_blocks, 2, block_size, kv_heads, head_size]``: K and V in separate page halves
-  (FlashInfer).
+  (ROCm's AITER FlashAttention and unified attention, the HPC backend).
 
 A tensor may be a permuted view of its storage (vLLM's stride orders, HND or NHD): blocks are
 always selected along dimension 0, which copies correctly whatever the strides.
@@ -45,8 +45,8 @@ class BlockLayout:
     """One layer's block in vLLM's KV tensors.
 
     Attributes:
-        kind: ``packed_cpu`` (CPU backend), ``packed`` (GPU FlashAttention/Triton/Flex) or ``split``
-            (FlashInfer); see the module docstring.
+        kind: ``packed_cpu`` (CPU backend), ``packed`` (GPU FlashAttention, FlashInfer, Triton,
+            Flex) or ``split`` (ROCm AITER, HPC); see the module docstring.
         block_shape: one block of one layer, as the tensor's dimensions after the first.
         block_size: tokens per block.
         kv_heads: KV heads in this worker's tensors.
@@ -85,8 +85,8 @@ class BlockLayout:
         else:
             raise KVLayoutError(
                 f"KV tensor of shape {shape}: the ragcache connector copies [num_blocks, kv_heads, "
-                f"block_size={block_size}, 2*head_size] (CPU, FlashAttention, Triton, FlexAttention) or "
-                f"[num_blocks, 2, block_size={block_size}, kv_heads, head_size] (FlashInfer)")
+                f"block_size={block_size}, 2*head_size] (CPU, FlashAttention, FlashInfer, Triton, FlexAttention) "
+                f"or [num_blocks, 2, block_size={block_size}, kv_heads, head_size] (ROCm AITER, HPC)")
         if (kv_heads is not None and heads != kv_heads) or (head_size is not None and hs != head_size):
             raise KVLayoutError(f"KV tensor of shape {shape} does not hold {kv_heads} KV heads of size {head_size} "
                                 f"(a padded or foreign layout is not copied)")

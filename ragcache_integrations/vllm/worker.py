@@ -11,8 +11,9 @@ and written by the stores' own threads, which read the slots, off the step's cri
 
 Layout: each layer is one tensor whose first dimension is the block id, in one of the layouts of
 :class:`~ragcache_integrations.vllm.layout.BlockLayout` (vLLM's CPU backend, and on GPUs
-FlashAttention, Triton, FlexAttention and FlashInfer); blocks are copied whole and byte for byte
-along that dimension, on the tensors' device (CUDA: through pinned host memory). On disk and in
+FlashAttention, FlashInfer, Triton, FlexAttention and ROCm's split layout); blocks are copied whole
+and byte for byte along that dimension (on a GPU with synchronous copies through host tensors: the
+arena is pinned, but the gathered blocks are not yet copied to or from it directly). On disk and in
 Redis a block is stored in the tiers' ``(k, v)`` format ``[layers, block_size, kv_heads, head_size]``.
 
 A block that is missing, fails its checksum, or whose recorded token ids differ from the request's

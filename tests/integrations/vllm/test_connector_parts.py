@@ -154,14 +154,16 @@ def test_block_disk_format_round_trips_bytes() -> None:
 
 @pytest.mark.parametrize("kind", ["packed", "split"])
 def test_gpu_layouts_map_to_the_true_keys_and_values(kind) -> None:
-    """On GPUs the tiers hold real K and V: FlashAttention's packed rows (K then V per head and token),
-    FlashInfer's split halves; and the mapping is exact both ways."""
+    """On GPUs the tiers hold real K and V, as vLLM's attention reads them: FlashAttention's packed
+    rows (``kv_cache.transpose(1, 2).split(head_size, -1)``), ROCm's split halves; exact both ways."""
     g = torch.Generator().manual_seed(3)
     keys, values = torch.randn(LAYERS, BS, HEADS, HS, generator=g), torch.randn(LAYERS, BS, HEADS, HS, generator=g)
-    if kind == "packed":  # [heads, bs, 2*hs] per block, as flash_attn.py splits it
-        block = torch.cat([keys.permute(0, 2, 1, 3), values.permute(0, 2, 1, 3)], dim=-1)
+    if kind == "packed":  # [heads, bs, 2*hs] per block
+        block = torch.randn(LAYERS, HEADS, BS, 2 * HS, generator=g)
+        # flash_attn.py: key_cache, value_cache = kv_cache.transpose(1, 2).split(head_size, dim=-1)
+        keys, values = block.transpose(1, 2).split(HS, dim=-1)  # [layers, bs, heads, hs] each
         one = torch.zeros(1, HEADS, BS, 2 * HS)
-    else:  # [2, bs, heads, hs]
+    else:  # [2, bs, heads, hs]: rocm_aiter_fa.py's key_cache, value_cache = kv_cache.unbind(1)
         block = torch.stack([keys, values], dim=1)
         one = torch.zeros(1, 2, BS, HEADS, HS)
     layout = BlockLayout.detect(one, BS, kv_heads=HEADS, head_size=HS, platform="cuda")
@@ -238,9 +240,9 @@ def test_worker_refuses_foreign_tokens_damaged_files_and_missing_blocks(tmp_path
 
 def test_worker_refuses_a_layout_it_does_not_copy() -> None:
     worker = ConnectorWorker(BS, None)
-    with pytest.raises(KVLayoutError, match="FlashInfer"):
+    with pytest.raises(KVLayoutError, match="block_size=4"):
         worker.register({"l0": torch.zeros(2, 8, BS, HEADS, HS)})
-    with pytest.raises(KVLayoutError, match="FlashInfer"):
+    with pytest.raises(KVLayoutError, match="block_size=4"):
         worker.register({"l0": torch.zeros(2, HEADS, BS + 1, 2 * HS)})  # another block size
     with pytest.raises(KVLayoutError):
         worker.register({})
@@ -450,7 +452,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 def vllm_kv(kind: str, device: str, num_blocks: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
     """Per-layer KV tensors in one of vLLM's layouts: ``packed`` (contiguous), ``packed-nhd`` (a
     permuted view of ``[num_blocks, block_size, kv_heads, 2*head_size]`` storage, vLLM's NHD stride
-    order) or ``split`` (FlashInfer's ``[num_blocks, 2, block_size, kv_heads, head_size]``)."""
+    order) or ``split`` (ROCm's ``[num_blocks, 2, block_size, kv_heads, head_size]``)."""
     g = torch.Generator().manual_seed(seed)
     out = {}
     for i in range(LAYERS):
@@ -464,15 +466,20 @@ def vllm_kv(kind: str, device: str, num_blocks: int = 16, seed: int = 0) -> dict
     return out
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", DEVICES + ["cpu-as-gpu"])
 @pytest.mark.parametrize("kind", ["packed", "packed-nhd", "split"])
 def test_worker_copies_every_layout_exactly_through_host_disk_and_a_restart(tmp_path, kind, device) -> None:
-    """vLLM's KV in each layout it registers, on the CPU and (where one is visible) a GPU: blocks saved
-    through the host arena and the disk tier come back byte for byte into other block ids, in this
-    process (host tier) and in a fresh one (disk tier); on a GPU the disk holds the true K."""
+    """vLLM's KV in each layout it registers, on the CPU and (where one is visible) a GPU, and CPU
+    tensors read as a GPU backend lays them out (``cpu-as-gpu``, so CI sends GPU layouts through the
+    worker): blocks saved through the host arena and the disk tier come back byte for byte into
+    other block ids, in this process (host tier) and in a fresh one (disk tier); with a GPU layout
+    the disk holds the true K, as vLLM's attention splits it."""
+    platform = "cuda" if device == "cpu-as-gpu" else None
+    device = "cpu" if device == "cpu-as-gpu" else device
     src = vllm_kv(kind, device, seed=5)
-    layout = BlockLayout.detect(next(iter(src.values())), BS, kv_heads=HEADS, head_size=HS)
-    assert layout.kind == ("split" if kind == "split" else "packed_cpu" if device == "cpu" else "packed")
+    layout = BlockLayout.detect(next(iter(src.values())), BS, kv_heads=HEADS, head_size=HS, platform=platform)
+    gpu_kind = platform is not None or device != "cpu"
+    assert layout.kind == ("split" if kind == "split" else "packed" if gpu_kind else "packed_cpu")
     disk = DiskStore(tmp_path, "fp", layout.disk_layout(LAYERS), torch.float32, 1 << 30)
     sched = ConnectorScheduler(BS, BLOCK_BYTES, 64 * BLOCK_BYTES, store_folder(tmp_path, "fp"))
     worker = ConnectorWorker(BS, disk, host_slots=sched.num_slots)
@@ -484,11 +491,14 @@ def test_worker_copies_every_layout_exactly_through_host_disk_and_a_restart(tmp_
     worker.save(plan)
     assert disk.flush(10)
     sched.written(worker.take_written())
-    if kind != "split" and device != "cpu":  # the tiers' k is FlashAttention's K half of each row
-        entry = disk.lookup(plan.saves[0].path_key)
-        k, _ = disk.load(entry)
-        first = src["model.layers.0.self_attn"][2]  # [heads, bs, 2*hs]
-        assert torch.equal(k[0], first[..., :HS].permute(1, 0, 2).cpu())
+    if gpu_kind:  # the tiers' k and v are the K and V vLLM's attention reads
+        k, v = disk.load(disk.lookup(plan.saves[0].path_key))
+        first = src["model.layers.0.self_attn"][2:3].cpu()
+        if kind == "split":
+            key, value = first.unbind(1)  # [1, bs, heads, hs]
+        else:
+            key, value = first.transpose(1, 2).split(HS, dim=-1)  # flash_attn.py's split
+        assert torch.equal(k[0], key[0]) and torch.equal(v[0], value[0])
     # the host tier, into other block ids of fresh tensors in the same layout
     dst = {n: torch.zeros_like(t) for n, t in src.items()}
     worker.register(dst, layout)

@@ -40,7 +40,7 @@
 #define QT 6       /* query vectors per register tile (12 accumulators of 16) */
 #define QPOS 16    /* query positions per prompt work item */
 #define DMAX 256   /* largest head size */
-#define HKVMAX 256 /* most KV heads */
+#define HKVMAX 256 /* most KV heads in one decode work item */
 #define DCHUNK 512 /* keys per decode chunk (fixed: a row's result never depends on the batch) */
 
 int rc32_supported(void) {
@@ -400,9 +400,10 @@ typedef struct {
 } work32_t;
 
 /* decode work items per (sequence, key chunk): every KV head in one item (whole arena rows), or
- * one head per item when that leaves fewer than two items per thread (a short batch-1 context) */
+ * one head per item when that leaves fewer than two items per thread (a short batch-1 context) or
+ * the model has more than HKVMAX KV heads */
 static int64_t decode_head_group(int64_t chunks, int64_t Hkv, int nthreads) {
-    return chunks >= 2 * (int64_t)nthreads ? Hkv : 1;
+    return chunks >= 2 * (int64_t)nthreads && Hkv <= HKVMAX ? Hkv : 1;
 }
 
 /* Attention of a whole forward step, one call per layer, several sequences.
@@ -419,7 +420,7 @@ static int64_t decode_head_group(int64_t chunks, int64_t Hkv, int nthreads) {
 TGT int rc32_paged_attention(const float *q, int64_t q_row, const float *kc, const float *vc, const int64_t *slots,
                              const int64_t *ctx_off, const int64_t *q_off, const uint8_t *decode, const int64_t *qpos,
                              int64_t B, int64_t Hq, int64_t Hkv, int64_t D, float scale, float *out, int nthreads) {
-    if (B < 1 || Hkv < 1 || Hkv > HKVMAX || Hq % Hkv != 0 || D % 16 != 0 || D > DMAX || nthreads < 1) return 1;
+    if (B < 1 || Hkv < 1 || Hq % Hkv != 0 || D % 16 != 0 || D > DMAX || nthreads < 1) return 1;
     const int64_t g = Hq / Hkv, slot_row = Hkv * D;
     int64_t pack_floats = 0, nitems = 0, npack = 0, ndec = 0, dec_keys = 0;
     for (int64_t b = 0; b < B; b++) {
@@ -785,7 +786,7 @@ TGT int rc32_decode_step(const rc32_layer_t *layers, int64_t L, float *h, float 
                          int64_t Hkv, int64_t D, int64_t I, const float *cos, const float *sin, float *k_base,
                          float *v_base, int64_t layer_stride, const int64_t *write, const int64_t *slots,
                          const int64_t *ctx_off, float scale, int nthreads) {
-    if (M < 1 || M > 16 || L < 1 || Hkv < 1 || Hkv > HKVMAX || Hq % Hkv || D % 16 || D > DMAX || H % 8 || I % 8 || nthreads < 1) return 1;
+    if (M < 1 || M > 16 || L < 1 || Hkv < 1 || Hq % Hkv || D % 16 || D > DMAX || H % 8 || I % 8 || nthreads < 1) return 1;
     const int64_t g = Hq / Hkv, row = (Hq + 2 * Hkv) * D, slot_row = Hkv * D;
     int64_t nitems = 0, nchunks = 0;
     for (int64_t b = 0; b < M; b++) {
