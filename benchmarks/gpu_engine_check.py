@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from ragcache_backend.cache.profile import PrefillProfile
 from ragcache_backend.config import EngineConfig
 from ragcache_backend.engine.engine import RAGCacheEngine
 from ragcache_backend.model.loader import LoadedModel
@@ -72,8 +73,6 @@ def exactness(loaded: LoadedModel, docs: list[str], requests: int, disk: Path) -
     block = kv_bytes_per_token(loaded) * 16
     cfg = EngineConfig(device_budget_bytes=block * 160, host_budget_bytes=block * 240, disk_dir=disk,
                        disk_budget_bytes=1 << 30, policy="pgdsf", max_batch_size=4)
-    from ragcache_backend.cache.profile import PrefillProfile
-
     profile = PrefillProfile(alphas=(0, 512, 1536), betas=(32, 256, 1024),
                              times=((0.01, 0.02, 0.05), (0.012, 0.025, 0.06), (0.015, 0.03, 0.08)))
     rng = random.Random(1)

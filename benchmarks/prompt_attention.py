@@ -10,7 +10,8 @@ query heads, 3 KV heads, head size 64), contexts in shuffled 16-slot blocks of a
 engine lays them out, 2 threads. Cases: cold prompts of 1,000 and 2,000 tokens, 512 new tokens over
 1,536 cached, a burst-like mixed step (prompts of 915, 788 and 343 tokens and two decode rows
 over 1,000), and decode steps over all 30 layers, each layer its own arena (1 or 8 generated tokens
-over 1,900 keys, 8 over 300), so that their KV comes from memory as in a real step. FLOPs counted are the causal ones (4 * head size * query heads per query-key pair).
+over 1,900 keys, 8 over 300), so that their KV comes from memory as in a real step. FLOPs counted
+are the causal ones (4 * head size * query heads per query-key pair).
 Each round times both versions one after the other, in alternating order; median (min) reported.
 """
 

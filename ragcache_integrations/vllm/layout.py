@@ -114,5 +114,5 @@ class BlockLayout:
             both = torch.stack([k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)], dim=2)  # [layers, heads, 2, bs, hs]
             return both.reshape(layers, *self.block_shape)
         if self.kind == "packed":
-            return torch.cat([k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)], dim=-1).contiguous()
+            return torch.cat([k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)], dim=-1)  # cat: a new contiguous tensor
         return torch.stack([k, v], dim=1)
