@@ -151,15 +151,17 @@ def test_empty_search_answers_without_documents(engine):
 
 
 # ---- bad input and abandonment -------------------------------------------------------------------------
-def failing_search() -> Iterator[list[str]]:
+def failing_search(engine) -> Iterator[list[str]]:
     yield [A, B]
-    time.sleep(0.2)  # the speculative request runs meanwhile
+    deadline = time.monotonic() + 5  # fail while the speculative request runs (a fixed sleep raced a fast CPU)
+    while not engine.in_flight and time.monotonic() < deadline:
+        time.sleep(0.001)
     raise OSError("the vector store went away")
 
 
 def test_search_failure_fails_the_request_and_frees_speculative_work(engine):
     with pytest.raises(RetrievalError, match="went away"):
-        engine.generate_pipelined(Q, failing_search(), SamplingParams(max_tokens=400, stop=()))
+        engine.generate_pipelined(Q, failing_search(engine), SamplingParams(max_tokens=400, stop=()))
     settled(engine)
     assert engine.stats.cancelled == 1
 

@@ -119,6 +119,48 @@ def test_decode_kernel_matches_the_reference(context, hq, hkv, d):
     assert (out - _reference(q, kc, vc, slots, context - 1)).abs().max().item() < 2e-6
 
 
+_WIDE = native.available(torch.float32, "cpu", 64) and native.float32_wide()
+
+
+@pytest.mark.skipif(not _WIDE, reason="this CPU has no AVX-512F: the prompt attention runs on 256-bit registers only")
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 2, 128), (4, 1, 32), (6, 2, 48), (16, 1, 16), (5, 5, 80)])
+def test_prompt_attention_on_512_bit_registers_gives_the_256_bit_bits(hq, hkv, d):
+    """Where the CPU has AVX-512F the prompt rows' QK^T and PV loops run on 512-bit registers
+    (``rc32_wide``): the same bits as on 256-bit ones, for cold prompts, prompts over a cached prefix,
+    rows at explicit positions and generated tokens in one call (head sizes with an odd 16-dim tail
+    included), so an AVX2 machine and an AVX-512 one serve the same cache the same way."""
+    kc, vc = _arena(8192, hkv, d, seed=d + hq)
+    g = torch.Generator().manual_seed(hq)
+    perm = torch.randperm(8192, generator=g)
+    specs = [(0, 131, None), (1000, 45, None), (700, 1, "decode"), (513, 0, _scattered(513, 70, 7, must=_EDGES)), (63, 2, None)]
+    contexts, new, decode, given, rows_at, at = [], [], [], [], [], 0
+    for cached, n, kind in specs:
+        pos = kind if isinstance(kind, torch.Tensor) else None
+        size = cached if pos is not None else cached + n
+        contexts.append(perm[at : at + size])
+        at += size
+        new.append(pos.numel() if pos is not None else n)
+        decode.append(isinstance(kind, str))
+        given.append(pos)
+        rows_at.append(pos if pos is not None else torch.arange(size - n, size))
+    q = torch.randn(sum(new), hq, d, generator=g)
+    batch = native.attention_batch(contexts, new, decode, given)
+    try:
+        assert native.float32_wide(True)
+        wide = native.paged_attention(q, kc, vc, batch, d**-0.5)
+        assert not native.float32_wide(False)
+        narrow = native.paged_attention(q, kc, vc, batch, d**-0.5)
+    finally:
+        native.float32_wide(True)
+    assert torch.equal(wide, narrow)
+    row = 0
+    for ctx, n, pos in zip(contexts, new, rows_at):  # and both are right
+        ref = attention(q[row : row + n].double(), kc[ctx].double(), vc[ctx].double(), scale=d**-0.5,
+                        mask=position_mask(pos, ctx.numel())).float()
+        assert (wide[row : row + n] - ref).abs().max().item() < 2e-5
+        row += n
+
+
 def test_one_call_for_a_mixed_step_equals_one_call_per_sequence():
     """Prompts (cold and over a cached prefix) and generated tokens in one call give the same rows,
     bit for bit, as each sequence alone: no row depends on the batch."""

@@ -1,7 +1,8 @@
 """Native CPU kernels (attention over paged KV, fused layer steps), via ctypes, for two dtypes:
 
 * **bf16** on CPUs with AVX512-BF16 (``csrc/paged_attention_bf16.c``, ``csrc/fused_bf16.c``);
-* **float32** on every x86-64 CPU with AVX2 and FMA, AVX-512 ones included (``csrc/kernels_f32.c``).
+* **float32** on every x86-64 CPU with AVX2 and FMA, AVX-512 ones included (``csrc/kernels_f32.c``;
+  where the CPU has AVX-512F the prompt attention's inner loops use 512-bit registers, same bits).
 
 The C sources are compiled on first use with the system C compiler into ``$RAGCACHE_HOME/kernels/``
 (named by a hash of the sources and flags, written atomically), then loaded into the process after
@@ -104,18 +105,42 @@ def _build() -> ctypes.CDLL | None:
     lib.rc32_linear_rows.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, nt]
     lib.rc32_segment_mass.restype = ctypes.c_int
     lib.rc32_segment_mass.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, i64, ptr, i64, f32, ptr, nt]
+    lib.rc32_wide.restype = ctypes.c_int
+    lib.rc32_wide.argtypes = [nt]
     lib.rc32_decode_step.restype = ctypes.c_int
     lib.rc32_decode_step.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr,
                                      ptr, f32, nt]
     if lib.rc_supported():
         _KERNEL_DTYPES[torch.bfloat16] = "AVX512-BF16"
     if lib.rc32_supported():
-        _KERNEL_DTYPES[torch.float32] = "AVX2+FMA"
+        _KERNEL_DTYPES[torch.float32] = _float32_isa(lib)
     if not _KERNEL_DTYPES:
         _why_not = "this CPU has neither AVX2+FMA (float32 kernels) nor AVX512-BF16 (bf16 kernels)"
         log.warning("native kernels: %s; using the torch path", _why_not)
         return None
     return lib
+
+
+def _float32_isa(lib: ctypes.CDLL) -> str:
+    return "AVX2+FMA, prompt attention AVX-512F" if lib.rc32_wide(-1) else "AVX2+FMA"
+
+
+def float32_wide(enable: bool | None = None) -> bool:
+    """Whether the float32 prompt attention runs its inner loops on 512-bit registers (by default on
+    CPUs with AVX-512F; ``csrc/kernels_f32.c``, ``rc32_wide``). Every lane does the same FMAs in the
+    same order at either width, so the outputs are the same bits; ``enable`` sets it for this
+    process (True only takes effect where the CPU has AVX-512F), None only asks.
+
+    Raises:
+        RuntimeError: the native library is not available (:func:`unavailable_reason` says why).
+    """
+    lib = _library()
+    if lib is None:
+        raise RuntimeError(f"native kernels unavailable: {_why_not}")
+    wide = bool(lib.rc32_wide(-1 if enable is None else int(enable)))
+    if torch.float32 in _KERNEL_DTYPES:
+        _KERNEL_DTYPES[torch.float32] = _float32_isa(lib)
+    return wide
 
 
 def _library() -> ctypes.CDLL | None:

@@ -36,6 +36,7 @@
 #include <string.h>
 
 #define TGT __attribute__((target("avx2,fma")))
+#define TGT512 __attribute__((target("avx512f,avx2,fma")))
 #define KB 64      /* keys per softmax block */
 #define QT 6       /* query vectors per register tile (12 accumulators of 16) */
 #define QPOS 16    /* query positions per prompt work item */
@@ -46,6 +47,18 @@
 int rc32_supported(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+/* Whether the prompt rows' inner loops (QK^T tiles, PV) run on 512-bit registers: on CPUs with
+ * AVX-512F by default. Every lane does the same FMAs in the same order at either width, so both
+ * give the same bits; request 0 or 1 sets it (1 only where the CPU has AVX-512F), -1 only asks. */
+static int wide_isa = -1;
+int rc32_wide(int request) {
+    __builtin_cpu_init();
+    const int can = __builtin_cpu_supports("avx512f");
+    if (request >= 0) wide_isa = request && can;
+    else if (wide_isa < 0) wide_isa = can;
+    return wide_isa;
 }
 
 TGT static inline float hsum256(__m256 v) {
@@ -96,16 +109,17 @@ TGT static inline __m256 lanes_below(int64_t j0, int64_t valid) {
 
 /* ---- prompt rows --------------------------------------------------------------------------- */
 
-/* Pack keys [start, end) of KV head h into kp ([S_pad/8][D][8] floats); keys >= S are zero. */
+/* Pack keys [start, end) of KV head h into kp ([S_pad/pw][D][pw] floats: panels of pw = 8 keys
+ * for 256-bit tiles, 16 for 512-bit ones); keys >= S are zero. */
 static void pack_keys(const float *kc, int64_t slot_row, const int64_t *slots, int64_t S, int64_t h, int64_t D,
-                      int64_t start, int64_t end, float *kp) {
+                      int64_t start, int64_t end, int64_t pw, float *kp) {
     for (int64_t j = start; j < end; j++) {
-        float *dst = kp + (j / 8) * D * 8 + (j % 8);
+        float *dst = kp + (j / pw) * D * pw + (j % pw);
         if (j < S) {
             const float *row = kc + slots[j] * slot_row + h * D;
-            for (int64_t d = 0; d < D; d++) dst[d * 8] = row[d];
+            for (int64_t d = 0; d < D; d++) dst[d * pw] = row[d];
         } else {
-            for (int64_t d = 0; d < D; d++) dst[d * 8] = 0.0f;
+            for (int64_t d = 0; d < D; d++) dst[d * pw] = 0.0f;
         }
     }
 }
@@ -141,15 +155,80 @@ TGT static inline __attribute__((always_inline)) void score_tile16(const float *
     }
 }
 
+/* The 512-bit forms of the prompt tile's two inner loops (AVX-512F CPUs; see rc32_wide). Each
+ * lane does what the 256-bit form does (FMAs in d order for a score, in key order for a value
+ * sum, from the same operands), so the results are the same bits.
+ * Scores of QT query rows against the keys [0, kend) of one KB-key block, 32 at a time from two
+ * [D][16] panels (kp: the block's first panel): s[i * KB + j] = scale * q_i . K[j]. */
+TGT512 static void score_block512(const float *kp, int64_t D, const float *const *qv, float scale, int64_t kend,
+                                  float *s) {
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t k32 = 0; k32 * 32 < kend; k32++) {
+        const float *k0 = kp + 2 * k32 * D * 16, *k1 = k0 + D * 16;
+        __m512 c[QT][2];
+        for (int i = 0; i < QT; i++) c[i][0] = c[i][1] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d++) {
+            __m512 a = _mm512_loadu_ps(k0 + d * 16), b = _mm512_loadu_ps(k1 + d * 16);
+            for (int i = 0; i < QT; i++) {
+                __m512 bq = _mm512_set1_ps(qv[i][d]);
+                c[i][0] = _mm512_fmadd_ps(a, bq, c[i][0]);
+                c[i][1] = _mm512_fmadd_ps(b, bq, c[i][1]);
+            }
+        }
+        for (int i = 0; i < QT; i++) {
+            _mm512_storeu_ps(s + i * KB + 32 * k32, _mm512_mul_ps(c[i][0], vscale));
+            _mm512_storeu_ps(s + i * KB + 32 * k32 + 16, _mm512_mul_ps(c[i][1], vscale));
+        }
+    }
+}
+
+/* acc[i][0..D) = acc[i] * alpha[i] + sum over keys j < n of p[i][j] v_j for QT rows (acc: rows of
+ * DMAX floats, p: rows of KB floats, vblk: the block's values [KB][D]), 32 dims per register tile
+ * (16 for a last odd tile: D is a multiple of 16). */
+TGT512 static void pv_block512(float *acc, const float *alpha, const float *p, const float *vblk, int64_t n, int64_t D) {
+    int64_t dg = 0;
+    for (; dg + 32 <= D; dg += 32) {
+        __m512 o[QT][2];
+        for (int i = 0; i < QT; i++) {
+            __m512 a = _mm512_set1_ps(alpha[i]);
+            o[i][0] = _mm512_mul_ps(_mm512_loadu_ps(acc + i * DMAX + dg), a);
+            o[i][1] = _mm512_mul_ps(_mm512_loadu_ps(acc + i * DMAX + dg + 16), a);
+        }
+        for (int64_t j = 0; j < n; j++) {
+            const float *vr = vblk + j * D + dg;
+            __m512 va = _mm512_loadu_ps(vr), vb = _mm512_loadu_ps(vr + 16);
+            for (int i = 0; i < QT; i++) {
+                __m512 bp = _mm512_set1_ps(p[i * KB + j]);
+                o[i][0] = _mm512_fmadd_ps(bp, va, o[i][0]);
+                o[i][1] = _mm512_fmadd_ps(bp, vb, o[i][1]);
+            }
+        }
+        for (int i = 0; i < QT; i++) {
+            _mm512_storeu_ps(acc + i * DMAX + dg, o[i][0]);
+            _mm512_storeu_ps(acc + i * DMAX + dg + 16, o[i][1]);
+        }
+    }
+    if (dg < D) {
+        __m512 o[QT];
+        for (int i = 0; i < QT; i++) o[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + i * DMAX + dg), _mm512_set1_ps(alpha[i]));
+        for (int64_t j = 0; j < n; j++) {
+            __m512 va = _mm512_loadu_ps(vblk + j * D + dg);
+            for (int i = 0; i < QT; i++) o[i] = _mm512_fmadd_ps(_mm512_set1_ps(p[i * KB + j]), va, o[i]);
+        }
+        for (int i = 0; i < QT; i++) _mm512_storeu_ps(acc + i * DMAX + dg, o[i]);
+    }
+}
+
 /* One work item: query rows [t0, t1) of KV head h, all g query heads; row t sits at position
  * qpos[t] (qpos: the sequence's row positions) or, with qpos NULL, P + t.
- * kp, vp: this head's packed keys and values (pack_keys, pack_values). */
+ * kp, vp: this head's packed keys and values (pack_keys, pack_values); wide: kp holds 16-key
+ * panels and the inner loops run on 512-bit registers (the same bits). */
 TGT static void attend_item(const float *q, int64_t q_row, int64_t D, int64_t g, int64_t h, int64_t t0, int64_t t1,
                             int64_t P, const int64_t *qpos, const float *kp, const float *vp, float scale, float *out,
-                            int64_t out_row) {
+                            int64_t out_row, int wide) {
     const int64_t nvec = (t1 - t0) * g;
-    float acc[QT][DMAX] __attribute__((aligned(32)));
-    float s[QT][KB] __attribute__((aligned(32)));
+    float acc[QT][DMAX] __attribute__((aligned(64)));
+    float s[QT][KB] __attribute__((aligned(64)));
     const __m256 vscale = _mm256_set1_ps(scale);
     for (int64_t v0 = 0; v0 < nvec; v0 += QT) {
         int64_t lim[QT], tpos[QT], head[QT], maxlim = 0;
@@ -170,8 +249,11 @@ TGT static void attend_item(const float *q, int64_t q_row, int64_t D, int64_t g,
         for (int64_t kb = 0; kb < nblocks; kb++) {
             /* scores of the tile's rows against keys kb*64 .. (up to maxlim), 16 keys at a time */
             const int64_t kend = maxlim - kb * KB + 1 < KB ? maxlim - kb * KB + 1 : KB;
-            for (int64_t k16 = 0; k16 * 16 < kend; k16++)
-                score_tile16(kp + (kb * (KB / 8) + 2 * k16) * D * 8, D, qv, vscale, s[0] + 16 * k16, KB);
+            if (wide)
+                score_block512(kp + kb * KB * D, D, qv, scale, kend, s[0]);
+            else
+                for (int64_t k16 = 0; k16 * 16 < kend; k16++)
+                    score_tile16(kp + (kb * (KB / 8) + 2 * k16) * D * 8, D, qv, vscale, s[0] + 16 * k16, KB);
             /* online softmax per row; probabilities replace the scores in s */
             int64_t maxvalid = 0;
             for (int i = 0; i < QT; i++) {
@@ -210,6 +292,10 @@ TGT static void attend_item(const float *q, int64_t q_row, int64_t D, int64_t g,
             if (maxvalid == 0) continue;
             /* PV: acc[i] = acc[i] * alpha[i] + p[i] . V[block], 16 dims at a time */
             const float *vblk = vp + kb * KB * D;
+            if (wide) {
+                pv_block512(acc[0], alpha, s[0], vblk, maxvalid, D);
+                continue;
+            }
             for (int64_t dg = 0; dg < D; dg += 16) {
                 __m256 o[QT][2];
                 for (int i = 0; i < QT; i++) {
@@ -422,6 +508,7 @@ TGT int rc32_paged_attention(const float *q, int64_t q_row, const float *kc, con
                              int64_t B, int64_t Hq, int64_t Hkv, int64_t D, float scale, float *out, int nthreads) {
     if (B < 1 || Hkv < 1 || Hq % Hkv != 0 || D % 16 != 0 || D > DMAX || nthreads < 1) return 1;
     const int64_t g = Hq / Hkv, slot_row = Hkv * D;
+    const int wide = rc32_wide(-1);
     int64_t pack_floats = 0, nitems = 0, npack = 0, ndec = 0, dec_keys = 0;
     for (int64_t b = 0; b < B; b++) {
         int64_t T = q_off[b + 1] - q_off[b], S = ctx_off[b + 1] - ctx_off[b];
@@ -461,7 +548,7 @@ TGT int rc32_paged_attention(const float *q, int64_t q_row, const float *kc, con
         part_floats += Hkv * nchunks[b] * g * (DCHUNK + 2 + D);
     }
     const int64_t hg = decode_head_group(dec_chunks, Hkv, nthreads);
-    float *pack = pack_floats ? aligned_alloc(32, (size_t)pack_floats * sizeof(float)) : NULL;
+    float *pack = pack_floats ? aligned_alloc(64, (size_t)pack_floats * sizeof(float)) : NULL;
     float *part = part_floats ? malloc((size_t)part_floats * sizeof(float)) : NULL;
     int64_t *pack_at = malloc(sizeof(int64_t) * (size_t)B);
     int64_t *part_at = malloc(sizeof(int64_t) * (size_t)(dec_items ? dec_items : 1));
@@ -516,7 +603,7 @@ TGT int rc32_paged_attention(const float *q, int64_t q_row, const float *kc, con
             work32_t it = packs[w];
             int64_t S = ctx_off[it.seq + 1] - ctx_off[it.seq], S_pad = (S + KB - 1) / KB * KB;
             float *kp = pack + pack_at[it.seq] + it.h * S_pad * D;
-            pack_keys(kc, slot_row, slots + ctx_off[it.seq], S, it.h, D, it.a * KB, (it.a + 1) * KB, kp);
+            pack_keys(kc, slot_row, slots + ctx_off[it.seq], S, it.h, D, it.a * KB, (it.a + 1) * KB, wide ? 16 : 8, kp);
             pack_values(vc, slot_row, slots + ctx_off[it.seq], S, it.h, D, it.a * KB, (it.a + 1) * KB, kp + Hkv * S_pad * D);
         }
         }
@@ -533,7 +620,7 @@ TGT int rc32_paged_attention(const float *q, int64_t q_row, const float *kc, con
                 int64_t S_pad = (S + KB - 1) / KB * KB;
                 const float *kp = pack + pack_at[it.seq] + it.h * S_pad * D;
                 attend_item(qs, q_row, D, g, it.h, it.a, it.b, S - T, qpos ? qpos + q_off[it.seq] : NULL, kp, kp + Hkv * S_pad * D,
-                            scale, out + q_off[it.seq] * Hq * D, Hq * D);
+                            scale, out + q_off[it.seq] * Hq * D, Hq * D, wide);
             }
         }
         if (nmerge > 0) {
@@ -586,7 +673,7 @@ TGT int rc32_segment_mass(const float *q, int64_t q_row, int64_t q_head, const f
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < H * nblk; w++) {
             int64_t h = w / nblk, c = w % nblk;
-            pack_keys(kc, slot_row, slots, S, h, D, c * KB, (c + 1) * KB, pack + h * S_pad * D);
+            pack_keys(kc, slot_row, slots, S, h, D, c * KB, (c + 1) * KB, 8, pack + h * S_pad * D);
         }
         float *sc = scratch + (size_t)omp_get_thread_num() * QT * S_pad;
 #pragma omp for schedule(dynamic, 1)
