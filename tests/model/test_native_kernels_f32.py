@@ -436,6 +436,40 @@ def test_a_decode_step_in_one_native_call_equals_the_per_operation_kernels(tiny_
     assert torch.equal(whole.arena.k_cache, per_op.arena.k_cache) and torch.equal(whole.arena.v_cache, per_op.arena.v_cache)
 
 
+@pytest.mark.skipif(not _WIDE, reason="this CPU has no AVX-512F: the kernels run on 256-bit registers only")
+def test_the_model_gives_the_same_bits_on_512_and_256_bit_registers(tiny_llama):
+    """A prefill, a prefill over a cached prefix and decode steps (whole-step calls) give the same
+    logits and KV, bit for bit, with the 512-bit inner loops and without them."""
+    from ragcache_backend.model.runner import ForwardInput, KVRun, ModelRunner
+
+    g = torch.Generator().manual_seed(21)
+    prompts = [tuple(torch.randint(0, 512, (n,), generator=g).tolist()) for n in (700, 90)]
+    extra = tuple(torch.randint(0, 512, (40,), generator=g).tolist())
+    nxt = [tuple(torch.randint(0, 512, (2,), generator=g).tolist()) for _ in prompts]
+    blocks = [tuple(range(i * 80, i * 80 + 80)) for i in range(len(prompts))]
+    results = []
+    try:
+        for wide in (True, False):
+            assert native.float32_wide(wide) == wide
+            runner = ModelRunner(copy.deepcopy(tiny_llama), num_device_blocks=200, block_size=16)
+            outs = [runner.forward([ForwardInput(p, (), (KVRun(b, 0, len(p)),)) for p, b in zip(prompts, blocks)])]
+            outs.append(runner.forward([ForwardInput(extra, (KVRun(blocks[0], 0, 700),), (KVRun(blocks[0], 700, 40),))]))
+            lengths = [740, 90]
+            for step in range(2):
+                items = [ForwardInput((nxt[i][step],), (KVRun(blocks[i], 0, lengths[i]),), (KVRun(blocks[i], lengths[i], 1),),
+                                      decode=True) for i in range(2)]
+                outs.append(runner.forward(items))
+                lengths = [n + 1 for n in lengths]
+            results.append((outs, runner.arena.k_cache.clone(), runner.arena.v_cache.clone()))
+    finally:
+        native.float32_wide(True)
+    (wide_outs, wk, wv), (narrow_outs, nk, nv) = results
+    for a, b in zip(wide_outs, narrow_outs):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+    assert torch.equal(wk, nk) and torch.equal(wv, nv)
+
+
 def test_the_last_layer_runs_for_the_logit_rows_only_and_changes_no_kv(tiny_llama):
     """float32 fused path: the last layer's attention and MLP run for each sequence's last row only
     (``last_layer_pruning``, on by default). The K/V written is the same bits as without it, the

@@ -363,6 +363,59 @@ TGT __attribute__((always_inline)) static inline void pv_tile(const int gi, int6
     }
 }
 
+/* pv_tile on 512-bit registers (AVX-512F CPUs, rc32_wide): 32 dims per register tile (16 for a
+ * last odd tile), each lane the same FMAs in the same order, so the same bits. */
+TGT512 __attribute__((always_inline)) static inline void pv_tile512(const int gi, int64_t D, int64_t n, int64_t jb,
+                                                                    int64_t je, const float *vh, int64_t slot_row,
+                                                                    const int64_t *slots, const float *p, float *o) {
+    int64_t dg = 0;
+    for (; dg + 32 <= D; dg += 32) {
+        __m512 acc[4][2];
+        for (int i = 0; i < gi; i++) {
+            acc[i][0] = jb > 0 ? _mm512_loadu_ps(o + i * D + dg) : _mm512_setzero_ps();
+            acc[i][1] = jb > 0 ? _mm512_loadu_ps(o + i * D + dg + 16) : _mm512_setzero_ps();
+        }
+        for (int64_t t = jb; t < je; t++) {
+            const float *vr = vh + slots[t] * slot_row + dg;
+            __m512 va = _mm512_loadu_ps(vr), vb = _mm512_loadu_ps(vr + 16);
+            for (int i = 0; i < gi; i++) {
+                __m512 pt = _mm512_set1_ps(p[i * n + t]);
+                acc[i][0] = _mm512_fmadd_ps(pt, va, acc[i][0]);
+                acc[i][1] = _mm512_fmadd_ps(pt, vb, acc[i][1]);
+            }
+        }
+        for (int i = 0; i < gi; i++) {
+            _mm512_storeu_ps(o + i * D + dg, acc[i][0]);
+            _mm512_storeu_ps(o + i * D + dg + 16, acc[i][1]);
+        }
+    }
+    if (dg < D) {
+        __m512 acc[4];
+        for (int i = 0; i < gi; i++) acc[i] = jb > 0 ? _mm512_loadu_ps(o + i * D + dg) : _mm512_setzero_ps();
+        for (int64_t t = jb; t < je; t++) {
+            __m512 va = _mm512_loadu_ps(vh + slots[t] * slot_row + dg);
+            for (int i = 0; i < gi; i++) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(p[i * n + t]), va, acc[i]);
+        }
+        for (int i = 0; i < gi; i++) _mm512_storeu_ps(o + i * D + dg, acc[i]);
+    }
+}
+
+/* The value block [jb, je) of one KV head for its g query heads, on 512-bit registers. */
+TGT512 static void pv_head512(int64_t g, int64_t D, int64_t n, int64_t jb, int64_t je, const float *vh, int64_t slot_row,
+                              const int64_t *slots, const float *scores, float *o) {
+    for (int64_t i0 = 0; i0 < g; i0 += 4) {
+        const int64_t gi = g - i0 < 4 ? g - i0 : 4;
+        const float *sp = scores + i0 * n;
+        float *op = o + i0 * D;
+        switch (gi) {
+        case 1: pv_tile512(1, D, n, jb, je, vh, slot_row, slots, sp, op); break;
+        case 2: pv_tile512(2, D, n, jb, je, vh, slot_row, slots, sp, op); break;
+        case 3: pv_tile512(3, D, n, jb, je, vh, slot_row, slots, sp, op); break;
+        default: pv_tile512(4, D, n, jb, je, vh, slot_row, slots, sp, op); break;
+        }
+    }
+}
+
 /* Keys [j0, j1) of KV heads [h0, h1) for the g query heads per KV head of one generated token: per
  * query head i of KV head h, in head h's chunk block pp[h - h0]: the chunk's max score [2i], its sum
  * of exp(score - max) [2i+1], then at 2g + i*D the unnormalised o[i][D] = sum_j exp(s_j - max) v_j,
@@ -378,7 +431,7 @@ TGT __attribute__((always_inline)) static inline void pv_tile(const int gi, int6
 #define DPF 32 /* decode: keys prefetched ahead */
 TGT static void decode_heads(const float *q, int64_t D, int64_t g, int64_t h0, int64_t h1, int64_t j0, int64_t j1,
                              const float *kc, const float *vc, int64_t slot_row, const int64_t *slots, float scale,
-                             float *const *pp) {
+                             float *const *pp, int wide) {
     const int64_t n = j1 - j0;
     const __m256 sc8 = _mm256_set1_ps(scale);
     for (int64_t h = h0; h < h1; h++)
@@ -444,6 +497,10 @@ TGT static void decode_heads(const float *q, int64_t D, int64_t g, int64_t h0, i
         for (int64_t h = h0; h < h1; h++) {
             float *blk = pp[h - h0], *o = blk + 2 * g;
             const float *scores = blk + g * (2 + D);
+            if (wide) {
+                pv_head512(g, D, n, jb, je, vc + h * D, slot_row, slots + j0, scores, o);
+                continue;
+            }
             for (int64_t i0 = 0; i0 < g; i0 += 4) {
                 const int64_t gi = g - i0 < 4 ? g - i0 : 4;
                 const float *vh = vc + h * D, *sp = scores + i0 * n;
@@ -615,7 +672,8 @@ TGT int rc32_paged_attention(const float *q, int64_t q_row, const float *kc, con
             if (it.chunk >= 0) { /* per head, a block: [g][2] max and sum, [g][D] outputs, then the scores' scratch */
                 float *pp[HKVMAX];
                 for (int64_t k = 0; k < it.hn; k++) pp[k] = part + part_at[dec_at[it.seq] + (it.h + k) * nchunks[it.seq] + it.chunk];
-                decode_heads(qs, D, g, it.h, it.h + it.hn, it.a, it.b, kc, vc, slot_row, slots + ctx_off[it.seq], scale, pp);
+                decode_heads(qs, D, g, it.h, it.h + it.hn, it.a, it.b, kc, vc, slot_row, slots + ctx_off[it.seq], scale, pp,
+                             wide);
             } else {
                 int64_t S_pad = (S + KB - 1) / KB * KB;
                 const float *kp = pack + pack_at[it.seq] + it.h * S_pad * D;
@@ -875,6 +933,7 @@ TGT int rc32_decode_step(const rc32_layer_t *layers, int64_t L, float *h, float 
                          const int64_t *ctx_off, float scale, int nthreads) {
     if (M < 1 || M > 16 || L < 1 || Hkv < 1 || Hq % Hkv || D % 16 || D > DMAX || H % 8 || I % 8 || nthreads < 1) return 1;
     const int64_t g = Hq / Hkv, row = (Hq + 2 * Hkv) * D, slot_row = Hkv * D;
+    const int wide = rc32_wide(-1);
     int64_t nitems = 0, nchunks = 0;
     for (int64_t b = 0; b < M; b++) {
         int64_t S = ctx_off[b + 1] - ctx_off[b];
@@ -923,7 +982,7 @@ TGT int rc32_decode_step(const rc32_layer_t *layers, int64_t L, float *h, float 
             float *pp[HKVMAX];
             for (int64_t k = 0; k < wk.hn; k++) pp[k] = part + part_at[first[wk.seq * Hkv + wk.h + k] + wk.chunk];
             decode_heads(qkv + wk.seq * row, D, g, wk.h, wk.h + wk.hn, wk.a, wk.b, kc, vc, slot_row, slots + ctx_off[wk.seq],
-                         scale, pp);
+                         scale, pp, wide);
         }
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M * Hkv; m++)
