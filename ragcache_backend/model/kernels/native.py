@@ -122,7 +122,7 @@ def _build() -> ctypes.CDLL | None:
 
 
 def _float32_isa(lib: ctypes.CDLL) -> str:
-    return "AVX2+FMA, prompt attention AVX-512F" if lib.rc32_wide(-1) else "AVX2+FMA"
+    return "AVX2+FMA, attention loops on AVX-512F" if lib.rc32_wide(-1) else "AVX2+FMA"
 
 
 def float32_wide(enable: bool | None = None) -> bool:

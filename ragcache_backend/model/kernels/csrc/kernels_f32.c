@@ -3,7 +3,10 @@
  * decoder layer (RoPE + KV write, residual add + RMSNorm, SiLU(gate) * up).
  *
  * They run on every x86-64 CPU since Haswell / Zen 1 (AVX-512 CPUs included), where the bf16
- * kernels (paged_attention_bf16.c, AVX512-BF16 only) cannot.
+ * kernels (paged_attention_bf16.c, AVX512-BF16 only) cannot. Where the CPU has AVX-512F the
+ * attention's FMA loops (prompt QK^T tiles and PV, decode PV) run on 512-bit registers
+ * (score_block512, pv_block512, pv_tile512; rc32_wide): every lane does the same FMAs in the same
+ * order as at 256 bits, so the results are the same bits on either kind of CPU.
  *
  * Prompt tokens (attend_item) compute, for T new queries at absolute positions P .. P+T-1 (GQA:
  * query head hq reads KV head hq / g), causal attention over context slots[0 .. P+T-1] read from
@@ -182,6 +185,52 @@ TGT512 static void score_block512(const float *kp, int64_t D, const float *const
     }
 }
 
+/* exp256 on 16 lanes: the same operations per lane, so the same bits. */
+TGT512 static inline __m512 exp512(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 y = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+/* One row's online-softmax step over a KB-key block of scores si (0 < valid <= KB keys below the
+ * row's limit), in place: the probabilities replace the scores (0 from valid on), m and l are
+ * updated and alpha is the rescale of the row's earlier sums. The 256-bit form's arithmetic: the
+ * max is exact in any order, exp512 is exp256 per lane, and the sum is taken 8 lanes at a time in
+ * the 256-bit order. */
+TGT512 static void softmax_row512(float *si, int64_t valid, float *m, float *l, float *alpha) {
+    __m512 bm = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < valid; j += 16) {
+        const __mmask16 k = valid - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (valid - j)) - 1);
+        bm = _mm512_max_ps(bm, _mm512_mask_blend_ps(k, _mm512_set1_ps(-INFINITY), _mm512_loadu_ps(si + j)));
+    }
+    const float bmax = _mm512_reduce_max_ps(bm);
+    const float mnew = bmax > *m ? bmax : *m;
+    *alpha = mnew == *m ? 1.0f : expf(*m - mnew);
+    const __m512 mv = _mm512_set1_ps(mnew);
+    for (int64_t j = 0; j < KB; j += 16) {
+        __m512 p = _mm512_setzero_ps();
+        if (j < valid) {
+            const __mmask16 k = valid - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (valid - j)) - 1);
+            p = _mm512_maskz_mov_ps(k, exp512(_mm512_sub_ps(_mm512_loadu_ps(si + j), mv)));
+        }
+        _mm512_storeu_ps(si + j, p);
+    }
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t j = 0; j < KB; j += 8) sum = _mm256_add_ps(sum, _mm256_loadu_ps(si + j));
+    *l = *l * *alpha + hsum256(sum);
+    *m = mnew;
+}
+
 /* acc[i][0..D) = acc[i] * alpha[i] + sum over keys j < n of p[i][j] v_j for QT rows (acc: rows of
  * DMAX floats, p: rows of KB floats, vblk: the block's values [KB][D]), 32 dims per register tile
  * (16 for a last odd tile: D is a multiple of 16). */
@@ -265,6 +314,10 @@ TGT static void attend_item(const float *q, int64_t q_row, int64_t D, int64_t g,
                     continue;
                 }
                 if (valid > maxvalid) maxvalid = valid;
+                if (wide) {
+                    softmax_row512(s[i], valid, &m[i], &l[i], &alpha[i]);
+                    continue;
+                }
                 /* only the vector holding the row's limit has lanes to mask */
                 __m256 bm = _mm256_set1_ps(-INFINITY);
                 for (int64_t j = 0; j < valid; j += 8) {
