@@ -126,7 +126,7 @@ def _float32_isa(lib: ctypes.CDLL) -> str:
 
 
 def float32_wide(enable: bool | None = None) -> bool:
-    """Whether the float32 prompt attention runs its inner loops on 512-bit registers (by default on
+    """Whether the float32 attention runs its inner loops on 512-bit registers (by default on
     CPUs with AVX-512F; ``csrc/kernels_f32.c``, ``rc32_wide``). Every lane does the same FMAs in the
     same order at either width, so the outputs are the same bits; ``enable`` sets it for this
     process (True only takes effect where the CPU has AVX-512F), None only asks.

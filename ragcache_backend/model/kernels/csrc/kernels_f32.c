@@ -52,8 +52,8 @@ int rc32_supported(void) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
-/* Whether the prompt rows' inner loops (QK^T tiles, PV) run on 512-bit registers: on CPUs with
- * AVX-512F by default. Every lane does the same FMAs in the same order at either width, so both
+/* Whether the attention's inner loops (prompt rows: QK^T tiles, online softmax, PV; decode rows:
+ * PV) run on 512-bit registers: on CPUs with AVX-512F by default. Every lane does the same FMAs in the same order at either width, so both
  * give the same bits; request 0 or 1 sets it (1 only where the CPU has AVX-512F), -1 only asks. */
 static int wide_isa = -1;
 int rc32_wide(int request) {
