@@ -145,13 +145,14 @@ def test_prompt_attention_on_512_bit_registers_gives_the_256_bit_bits(hq, hkv, d
         rows_at.append(pos if pos is not None else torch.arange(size - n, size))
     q = torch.randn(sum(new), hq, d, generator=g)
     batch = native.attention_batch(contexts, new, decode, given)
+    before = native.float32_wide()
     try:
         assert native.float32_wide(True)
         wide = native.paged_attention(q, kc, vc, batch, d**-0.5)
         assert not native.float32_wide(False)
         narrow = native.paged_attention(q, kc, vc, batch, d**-0.5)
     finally:
-        native.float32_wide(True)
+        native.float32_wide(before)
     assert torch.equal(wide, narrow)
     row = 0
     for ctx, n, pos in zip(contexts, new, rows_at):  # and both are right
@@ -447,7 +448,7 @@ def test_the_model_gives_the_same_bits_on_512_and_256_bit_registers(tiny_llama):
     extra = tuple(torch.randint(0, 512, (40,), generator=g).tolist())
     nxt = [tuple(torch.randint(0, 512, (2,), generator=g).tolist()) for _ in prompts]
     blocks = [tuple(range(i * 80, i * 80 + 80)) for i in range(len(prompts))]
-    results = []
+    results, before = [], native.float32_wide()
     try:
         for wide in (True, False):
             assert native.float32_wide(wide) == wide
@@ -462,7 +463,7 @@ def test_the_model_gives_the_same_bits_on_512_and_256_bit_registers(tiny_llama):
                 lengths = [n + 1 for n in lengths]
             results.append((outs, runner.arena.k_cache.clone(), runner.arena.v_cache.clone()))
     finally:
-        native.float32_wide(True)
+        native.float32_wide(before)
     (wide_outs, wk, wv), (narrow_outs, nk, nv) = results
     for a, b in zip(wide_outs, narrow_outs):
         for x, y in zip(a, b):

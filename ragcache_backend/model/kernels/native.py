@@ -2,7 +2,7 @@
 
 * **bf16** on CPUs with AVX512-BF16 (``csrc/paged_attention_bf16.c``, ``csrc/fused_bf16.c``);
 * **float32** on every x86-64 CPU with AVX2 and FMA, AVX-512 ones included (``csrc/kernels_f32.c``;
-  where the CPU has AVX-512F the prompt attention's inner loops use 512-bit registers, same bits).
+  where the CPU has AVX-512F the attention's inner loops use 512-bit registers, same bits).
 
 The C sources are compiled on first use with the system C compiler into ``$RAGCACHE_HOME/kernels/``
 (named by a hash of the sources and flags, written atomically), then loaded into the process after
@@ -113,16 +113,12 @@ def _build() -> ctypes.CDLL | None:
     if lib.rc_supported():
         _KERNEL_DTYPES[torch.bfloat16] = "AVX512-BF16"
     if lib.rc32_supported():
-        _KERNEL_DTYPES[torch.float32] = _float32_isa(lib)
+        _KERNEL_DTYPES[torch.float32] = "AVX2+FMA"
     if not _KERNEL_DTYPES:
         _why_not = "this CPU has neither AVX2+FMA (float32 kernels) nor AVX512-BF16 (bf16 kernels)"
         log.warning("native kernels: %s; using the torch path", _why_not)
         return None
     return lib
-
-
-def _float32_isa(lib: ctypes.CDLL) -> str:
-    return "AVX2+FMA, attention loops on AVX-512F" if lib.rc32_wide(-1) else "AVX2+FMA"
 
 
 def float32_wide(enable: bool | None = None) -> bool:
@@ -137,10 +133,7 @@ def float32_wide(enable: bool | None = None) -> bool:
     lib = _library()
     if lib is None:
         raise RuntimeError(f"native kernels unavailable: {_why_not}")
-    wide = bool(lib.rc32_wide(-1 if enable is None else int(enable)))
-    if torch.float32 in _KERNEL_DTYPES:
-        _KERNEL_DTYPES[torch.float32] = _float32_isa(lib)
-    return wide
+    return bool(lib.rc32_wide(-1 if enable is None else int(enable)))
 
 
 def _library() -> ctypes.CDLL | None:
@@ -186,7 +179,11 @@ def unavailable_reason(dtype: torch.dtype, device: torch.device | str, head_dim:
 
 def instruction_set(dtype: torch.dtype) -> str | None:
     """The instruction set the native kernels use for ``dtype`` on this CPU (e.g. ``"AVX2+FMA"``), or None."""
-    return _KERNEL_DTYPES.get(dtype) if _library() is not None else None
+    lib = _library()
+    if lib is None or dtype not in _KERNEL_DTYPES:
+        return None
+    wide = dtype == torch.float32 and lib.rc32_wide(-1)
+    return f"{_KERNEL_DTYPES[dtype]}, attention loops on AVX-512F" if wide else _KERNEL_DTYPES[dtype]
 
 
 def available(dtype: torch.dtype, device: torch.device | str, head_dim: int, group: int = 1) -> bool:

@@ -57,10 +57,10 @@ int rc32_supported(void) {
  * give the same bits; request 0 or 1 sets it (1 only where the CPU has AVX-512F), -1 only asks. */
 static int wide_isa = -1;
 int rc32_wide(int request) {
+    if (request < 0 && wide_isa >= 0) return wide_isa; /* every attention call asks: no CPU probe then */
     __builtin_cpu_init();
     const int can = __builtin_cpu_supports("avx512f");
-    if (request >= 0) wide_isa = request && can;
-    else if (wide_isa < 0) wide_isa = can;
+    wide_isa = request >= 0 ? request && can : can;
     return wide_isa;
 }
 
