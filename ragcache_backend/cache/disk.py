@@ -11,7 +11,8 @@ off the request's critical path and read back when a prefix match runs past what
   model, dtype or format version never even lists them; the fingerprint, format and KV shape are
   also in each file's metadata and checked on load.
 * **Integrity.** Each file holds the node's K and V and checksummed metadata
-  (:mod:`ragcache_backend.cache.kv_file`). A file is written to a temporary name, fsync'ed and
+  (:mod:`ragcache_backend.cache.kv_file`). A file is written to a temporary name (around the page
+  cache where the file system allows: :mod:`ragcache_backend.cache.direct_write`), fsync'ed and
   renamed (atomic on POSIX): a kill -9 mid-write leaves at most a ``.tmp`` file, removed at the
   next start. A truncated, corrupt or foreign file is detected on load (or at the start-up scan),
   logged, deleted and reported as a miss: the caller recomputes it, it is never served.
@@ -55,6 +56,7 @@ from pathlib import Path
 import torch
 
 from ragcache_backend.cache.chunk_reuse import VariantInfo, variant_from_json, variant_to_json
+from ragcache_backend.cache.direct_write import FileWriter
 from ragcache_backend.cache.evictor import Evictor
 from ragcache_backend.cache.knowledge_tree import TierName, path_key
 from ragcache_backend.cache.kv_file import FORMAT, SUFFIX, FileHeader, KVFileFormat, parse_tokens, read_metadata
@@ -216,6 +218,7 @@ class DiskStore:
         self._discard: set[str] = set()  # queued writes deleted before they landed
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._closed = False
+        self._file_writer = FileWriter()  # used by the writer thread only
         self._scan()
         self._writer = threading.Thread(target=self._write_loop, name="ragcache-disk-writer", daemon=True)
         self._writer.start()
@@ -400,6 +403,7 @@ class DiskStore:
         while True:
             job = self._queue.get()
             if job is None:
+                self._file_writer.close()
                 return
             try:
                 self._write(job)
@@ -420,10 +424,7 @@ class DiskStore:
         try:
             data = self._format.encode(header, job.k, job.v)
             job.release()  # the bytes are ours now: the caller may reuse the tensors' memory
-            with open(tmp, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
+            self._file_writer.write(tmp, data)
             os.replace(tmp, final)
         except OSError as exc:
             self.stats.write_failures += 1

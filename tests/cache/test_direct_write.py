@@ -1,0 +1,62 @@
+"""The disk tier's file writer: exact bytes whatever the length, around the page cache where it can,
+an ordinary write where the file system refuses direct I/O."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+
+from ragcache_backend.cache.direct_write import ALIGN, FileWriter
+
+
+@pytest.mark.parametrize("length", [1, ALIGN - 1, ALIGN, ALIGN + 1, 3 * (1 << 20) + 7])
+def test_a_file_holds_exactly_the_bytes_written(tmp_path, length):
+    data = os.urandom(length)
+    writer = FileWriter()
+    writer.write(tmp_path / "f.bin", data)
+    assert (tmp_path / "f.bin").read_bytes() == data
+    if hasattr(os, "O_DIRECT"):
+        assert writer.direct, "this file system takes O_DIRECT: the writer should still use it"
+    writer.close()
+
+
+def test_the_buffer_is_reused_and_a_shorter_file_after_a_longer_one_is_exact(tmp_path):
+    writer = FileWriter()
+    long, short = os.urandom(5 * ALIGN + 11), os.urandom(ALIGN // 2)
+    writer.write(tmp_path / "a", long)
+    writer.write(tmp_path / "b", short)
+    writer.write(tmp_path / "a", short)  # replaces: no tail of the longer content survives
+    assert (tmp_path / "b").read_bytes() == short
+    assert (tmp_path / "a").read_bytes() == short
+    writer.close()
+    writer.write(tmp_path / "c", long)  # works again after close
+    assert (tmp_path / "c").read_bytes() == long
+
+
+def test_a_file_system_refusing_direct_io_gets_ordinary_writes(tmp_path, monkeypatch, caplog):
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this OS: the writer never tries it")
+    real_open = os.open
+
+    def refusing_open(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    writer = FileWriter()
+    with caplog.at_level("INFO", logger="ragcache_backend.cache.direct_write"):
+        writer.write(tmp_path / "f", b"abc")
+        writer.write(tmp_path / "g", b"defg")
+    assert (tmp_path / "f").read_bytes() == b"abc" and (tmp_path / "g").read_bytes() == b"defg"
+    assert not writer.direct
+    assert sum("refuses direct I/O" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_other_errors_propagate(tmp_path):
+    with pytest.raises(OSError):
+        FileWriter().write(tmp_path / "missing-folder" / "f", b"abc")
+    with pytest.raises(OSError):
+        FileWriter(direct=False).write(tmp_path / "missing-folder" / "f", b"abc")
