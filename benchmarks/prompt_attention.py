@@ -38,12 +38,29 @@ from forward_vs_vllm import machine  # noqa: E402
 from ragcache_backend.model.kernels.native import BUILD_FLAGS  # noqa: E402
 
 SOURCE = "ragcache_backend/model/kernels/csrc/kernels_f32.c"
+HEADERS = ("ragcache_backend/model/kernels/csrc/simd_exp.h",)  # what kernels_f32.c includes (revisions since it exists)
 
 
-def build(source: str, out: Path) -> ctypes.CDLL:
-    """Compile one ``kernels_f32.c`` text into ``out`` and bind ``rc32_paged_attention``."""
-    src = out.with_suffix(".c")
-    src.write_text(source)
+def revision_text(rev: str | None, path: str) -> str | None:
+    """``path`` at git revision ``rev`` (None: the working tree), or None where it does not exist."""
+    if rev is None:
+        return (ROOT / path).read_text() if (ROOT / path).exists() else None
+    got = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True)
+    return got.stdout if got.returncode == 0 else None
+
+
+def build(rev: str | None, out: Path) -> ctypes.CDLL:
+    """Compile ``kernels_f32.c`` (with the headers it includes) of git revision ``rev`` (None: the
+    working tree) into ``out``, in a folder of its own, and bind ``rc32_paged_attention``."""
+    folder = out.with_suffix("")
+    folder.mkdir()
+    for path in (SOURCE, *HEADERS):
+        text = revision_text(rev, path)
+        if text is None and path == SOURCE:
+            raise SystemExit(f"{path} does not exist at {rev or 'the working tree'}")
+        if text is not None:
+            (folder / Path(path).name).write_text(text)
+    src = folder / Path(SOURCE).name
     subprocess.run(["cc", *BUILD_FLAGS, "-o", str(out), str(src)], check=True)
     lib = ctypes.CDLL(str(out))
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
@@ -99,10 +116,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    base_src = subprocess.run(["git", "show", f"{args.base}:{SOURCE}"], cwd=ROOT, check=True, capture_output=True,
-                              text=True).stdout
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {"base": build(base_src, Path(tmp) / "base.so"), "new": build((ROOT / SOURCE).read_text(), Path(tmp) / "new.so")}
+        libs = {"base": build(args.base, Path(tmp) / "base.so"), "new": build(None, Path(tmp) / "new.so")}
         gen = torch.Generator().manual_seed(0)
         shape = (args.heads, args.kv_heads, args.head_dim)
         cases = {

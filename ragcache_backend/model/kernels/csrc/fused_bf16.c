@@ -11,6 +11,8 @@
 #include <omp.h>
 #include <stdint.h>
 
+#include "simd_exp.h" /* exp512 */
+
 typedef uint16_t bf16_t;
 
 #define TGT __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl")))
@@ -25,22 +27,6 @@ TGT static inline void store_bf16(bf16_t *p, __m512 x) {
 
 TGT static inline __m512 round_bf16(__m512 x) { /* x rounded to bf16, back in float32 */
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
-}
-
-TGT static inline __m512 exp512_any(__m512 x) {
-    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    __m512 y = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(y, n);
 }
 
 /* In place on qkv [N, Hq + 2 Hkv, D] (row stride (Hq + 2 Hkv) D): rotate the Hq query and Hkv key
@@ -104,7 +90,7 @@ TGT void rc_silu_mul(const bf16_t *gate_up, int64_t N, int64_t I, bf16_t *out, i
         const bf16_t *g = gate_up + n * 2 * I, *u = g + I;
         for (int64_t i = 0; i < I; i += 16) {
             __m512 x = load_bf16(g + i);
-            __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), exp512_any(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+            __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), x))));
             __m512 act = round_bf16(_mm512_mul_ps(x, sig));
             store_bf16(out + n * I + i, _mm512_mul_ps(act, load_bf16(u + i)));
         }

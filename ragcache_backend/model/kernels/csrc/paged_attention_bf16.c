@@ -29,6 +29,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "simd_exp.h" /* exp512 */
+
 #define KB 64      /* keys per block */
 #define QT 4       /* query vectors per register tile */
 #define QPOS 16    /* query positions per work item */
@@ -39,24 +41,6 @@ int rc_supported(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
-}
-
-__attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl")))
-static inline __m512 exp512(__m512 x) {
-    /* expf for x <= 0 (Cephes polynomial, range reduction by ln 2); x below -87 clamps near 0 */
-    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    __m512 y = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(y, n);
 }
 
 /* One work item: query positions [t0, t1) of KV head h. kp: packed keys of this head,
