@@ -38,8 +38,10 @@ from ragcache_backend.config import ragcache_home
 
 log = logging.getLogger(__name__)
 
-_SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("paged_attention_bf16.c", "fused_bf16.c", "kernels_f32.c"))
-_HEADERS = tuple(Path(__file__).with_name("csrc") / name for name in ("simd_exp.h",))  # included by the sources
+#: the kernels' C files, compiled together into one library on first use
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("paged_attention_bf16.c", "fused_bf16.c", "kernels_f32.c"))
+#: headers the sources include (part of the library's build hash)
+HEADERS = tuple(Path(__file__).with_name("csrc") / name for name in ("simd_exp.h",))
 #: C compiler flags the kernels are built with (benchmarks/prompt_attention.py builds other revisions' kernels alike)
 BUILD_FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-std=gnu11")
 _lock = threading.Lock()
@@ -67,7 +69,7 @@ def _build() -> ctypes.CDLL | None:
         _why_not = "no C compiler found (set CC, or install gcc)"
         log.warning("native kernels: %s; using the torch path", _why_not)
         return None
-    src = b"".join(path.read_bytes() for path in (*_SOURCES, *_HEADERS))
+    src = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     tag = hashlib.sha256(src + " ".join((cc, *BUILD_FLAGS)).encode()).hexdigest()[:16]
     out_dir = ragcache_home() / "kernels"
     lib_path = out_dir / f"ragcache_kernels-{tag}.so"
@@ -76,7 +78,7 @@ def _build() -> ctypes.CDLL | None:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
         os.close(fd)
         try:
-            subprocess.run([cc, *BUILD_FLAGS, "-o", tmp, *map(str, _SOURCES)], check=True, capture_output=True, text=True, timeout=180)
+            subprocess.run([cc, *BUILD_FLAGS, "-o", tmp, *map(str, SOURCES)], check=True, capture_output=True, text=True, timeout=180)
             os.replace(tmp, lib_path)
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", "") or str(exc)
