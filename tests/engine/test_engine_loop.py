@@ -27,7 +27,7 @@ from ragcache_backend.engine.engine import RAGCacheEngine
 from ragcache_backend.engine.scheduler import SchedulerConfig
 from ragcache_backend.errors import CacheBudgetError, RequestCancelledError
 from ragcache_backend.model.sampling import SamplingParams
-from tests.engine.leaks import assert_at_baseline as _at_baseline, node_blocks as _node_blocks
+from tests.engine.leaks import assert_at_baseline as _at_baseline
 
 DOCS = [
     f"Document {i}: the {w} module of the standard library handles {w} tasks; see section {i * 7} "
