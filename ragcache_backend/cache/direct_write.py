@@ -28,7 +28,6 @@ import errno
 import logging
 import mmap
 import os
-from collections.abc import Sequence
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -39,7 +38,6 @@ ALIGN = 4096
 """Bytes to which a direct write's buffer address and length are aligned (every common logical block size divides it)."""
 _KEEP = 64 << 20  # a buffer up to this size is kept for the next write; a larger one is unmapped after use
 _CHUNK = 1 << 30  # bytes per write call (Linux writes at most ~2 GiB per call)
-Buffer = bytes | bytearray | memoryview
 
 
 class FileWriter:
@@ -55,18 +53,16 @@ class FileWriter:
         self.direct = direct and hasattr(os, "O_DIRECT")
         self._buffer: mmap.mmap | None = None
 
-    def write(self, path: Path, data: Buffer | Sequence[Buffer]) -> None:
-        """Create (or replace) the file at ``path`` with exactly ``data`` (one bytes-like object, or
-        pieces written one after the other, e.g. a header then tensors' memory) and ``fsync`` it.
+    def write(self, path: Path, data: bytes) -> None:
+        """Create (or replace) the file at ``path`` with exactly ``data`` and ``fsync`` it.
 
         Raises:
             OSError: the file cannot be written (missing folder, full disk, permissions); a file
                 left behind may hold part of ``data`` (the caller writes to a temporary name).
         """
-        parts = [memoryview(p).cast("B") for p in ((data,) if isinstance(data, (bytes, bytearray, memoryview)) else data)]
         if self.direct:
             try:
-                self._write_direct(path, parts)
+                self._write_direct(path, data)
                 return
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
@@ -74,13 +70,12 @@ class FileWriter:
                 self.direct = False
                 log.info("disk tier: %s refuses direct I/O (%s); writing through the page cache", path.parent, exc)
         with open(path, "wb") as fh:
-            for part in parts:
-                fh.write(part)
+            fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
 
-    def _write_direct(self, path: Path, parts: list[memoryview]) -> None:
-        n = sum(part.nbytes for part in parts)
+    def _write_direct(self, path: Path, data: bytes) -> None:
+        n = len(data)
         padded = n + (-n % ALIGN)
         buf = self._buffer if self._buffer is not None and len(self._buffer) >= padded else None
         if buf is None:
@@ -90,10 +85,7 @@ class FileWriter:
             buf = mmap.mmap(-1, max(padded, ALIGN))  # anonymous: page-aligned, zero-filled
         view = memoryview(buf)
         try:
-            at = 0
-            for part in parts:  # the one copy of the data: into the aligned buffer
-                view[at:at + part.nbytes] = part
-                at += part.nbytes
+            view[:n] = data
             view[n:padded] = bytes(padded - n)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
             try:

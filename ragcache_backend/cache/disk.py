@@ -345,7 +345,7 @@ class DiskStore:
                 its length the token count).
             tokens: the segment's token ids (recorded in the file; empty: none).
             done_reading: called once (from the writer thread) when the writer no longer reads
-                ``k`` and ``v`` (written, or the write was dropped); never called when this returns
+                ``k`` and ``v`` (encoded, or the write was dropped); never called when this returns
                 False. Until then the caller must not change them.
 
         Raises:
@@ -422,9 +422,9 @@ class DiskStore:
         final = self._file(e.path_key)
         tmp = final.with_name(f".{e.path_key}.{os.getpid()}.tmp")
         try:
-            parts = self._format.encode_parts(header, job.k, job.v)  # the tensors' own memory: no copy yet
-            self._file_writer.write(tmp, parts)
-            job.release()  # written: the caller may reuse the tensors' memory
+            data = self._format.encode(header, job.k, job.v)
+            job.release()  # the bytes are ours now: the caller may reuse the tensors' memory
+            self._file_writer.write(tmp, data)
             os.replace(tmp, final)
         except OSError as exc:
             self.stats.write_failures += 1
@@ -433,7 +433,7 @@ class DiskStore:
             with self._lock:
                 self._done(e)
             return
-        e.nbytes = sum(len(part) for part in parts)
+        e.nbytes = len(data)
         self.stats.write_s += time.perf_counter() - t0
         with self._lock:
             self._done(e)

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from ragcache_backend.errors import CorruptFileError, InvalidRequestError
+from ragcache_backend.errors import CorruptFileError
 
 __all__ = ["FORMAT", "SUFFIX", "FileHeader", "KVFileFormat", "kv_digest", "parse_tokens", "read_metadata", "tokens_text"]
 
@@ -32,7 +32,6 @@ FORMAT = 3
 """File format version: part of the folder name and of each file's metadata."""
 SUFFIX = ".kv.safetensors"
 _HEADER_CAP = 1 << 20  # a safetensors header of two tensors is < 1 KiB; more is a foreign file
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}  # safetensors' dtype names
 
 
 def dense(t: torch.Tensor) -> torch.Tensor:
@@ -117,8 +116,9 @@ class KVFileFormat:
     layout: tuple[int, int, int]
     dtype: torch.dtype
 
-    def metadata(self, header: FileHeader, k: torch.Tensor, v: torch.Tensor) -> dict[str, str]:
-        """The file's metadata for ``header`` and dense ``k``, ``v`` (their checksum included)."""
+    def encode(self, header: FileHeader, k: torch.Tensor, v: torch.Tensor) -> bytes:
+        """The file's bytes for ``k``, ``v`` (``[layers, tokens, kv_heads, head_dim]``) and ``header``."""
+        k, v = dense(k), dense(v)  # once, for the checksum and the file
         meta = {"format": str(FORMAT), "fingerprint": self.fingerprint, "path_key": header.path_key,
                 "parent": header.parent, "key": header.key, "num_tokens": str(header.num_tokens),
                 "crc32": kv_digest(k, v, header.variant or "", tokens_text(header.tokens)),
@@ -129,38 +129,7 @@ class KVFileFormat:
             meta["tokens"] = tokens_text(header.tokens)
         if header.variant is not None:
             meta["variant"] = header.variant
-        return meta
-
-    def encode(self, header: FileHeader, k: torch.Tensor, v: torch.Tensor) -> bytes:
-        """The file's bytes for ``k``, ``v`` (``[layers, tokens, kv_heads, head_dim]``) and ``header``
-        (written by safetensors itself)."""
-        k, v = dense(k), dense(v)  # once, for the checksum and the file
-        return st_save({"k": k, "v": v}, metadata=self.metadata(header, k, v))
-
-    def encode_parts(self, header: FileHeader, k: torch.Tensor, v: torch.Tensor) -> tuple[bytes, memoryview, memoryview]:
-        """The file of :meth:`encode` as three pieces to write one after the other: the safetensors
-        header (its 8-byte length, then the JSON, padded with spaces to a multiple of 8 as
-        safetensors pads it), then the bytes of ``k`` and of ``v`` *in the tensors' own memory*
-        (no copy: the caller must not change them until written). The same tensors, metadata and
-        layout as :meth:`encode`, which builds a new ``bytes`` of the whole file (at ~2 GB/s,
-        against one copy of each tensor here); safetensors reads either.
-
-        Raises:
-            CorruptFileError: ``header`` has another number of token ids than tokens.
-            InvalidRequestError: a dtype with no safetensors name here (not float32, bfloat16, float16).
-        """
-        k, v = dense(k), dense(v)
-        name = _ST_DTYPES.get(k.dtype)
-        if name is None or v.dtype != k.dtype:
-            raise InvalidRequestError(f"no safetensors dtype for KV of {k.dtype}/{v.dtype}")
-        nk, nv = k.numel() * k.element_size(), v.numel() * v.element_size()
-        table = {"__metadata__": self.metadata(header, k, v),
-                 "k": {"dtype": name, "shape": list(k.shape), "data_offsets": [0, nk]},
-                 "v": {"dtype": name, "shape": list(v.shape), "data_offsets": [nk, nk + nv]}}
-        text = json.dumps(table, separators=(",", ":")).encode()
-        text += b" " * (-len(text) % 8)
-        return (struct.pack("<Q", len(text)) + text, memoryview(k.view(torch.uint8).numpy()).cast("B"),
-                memoryview(v.view(torch.uint8).numpy()).cast("B"))
+        return st_save({"k": k, "v": v}, metadata=meta)
 
     def decode(self, data: bytes, pkey: str) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k, v)`` of a good file named ``pkey``.

@@ -4,16 +4,11 @@ an ordinary write where the file system refuses direct I/O."""
 from __future__ import annotations
 
 import errno
-import json
 import os
-import struct
 
 import pytest
-import torch
-from safetensors.torch import load as st_load
 
 from ragcache_backend.cache.direct_write import ALIGN, FileWriter
-from ragcache_backend.cache.kv_file import FileHeader, KVFileFormat, header_metadata
 
 
 def _opens_direct(folder) -> bool:
@@ -78,38 +73,3 @@ def test_other_errors_propagate(tmp_path):
         FileWriter().write(tmp_path / "missing-folder" / "f", b"abc")
     with pytest.raises(OSError):
         FileWriter(direct=False).write(tmp_path / "missing-folder" / "f", b"abc")
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_a_kv_file_written_in_pieces_is_the_file_safetensors_writes(tmp_path, dtype):
-    """encode_parts + FileWriter give a file safetensors and the format read back as encode's: the
-    same tensors bit for bit, the same metadata, the same table of tensors."""
-    fmt = KVFileFormat("model-fp", (3, 2, 16), dtype)
-    g = torch.Generator().manual_seed(0)
-    k = torch.randn(3, 5, 2, 16, generator=g).to(dtype)
-    v = torch.randn(3, 5, 2, 16, generator=g).to(dtype)
-    header = FileHeader("a" * 32, "b" * 32, "c" * 32, 5, 3, 0.25, '{"chunk": "x"}', (7, 8, 9, 10, 11))
-    whole = fmt.encode(header, k, v)
-    FileWriter().write(tmp_path / "f", fmt.encode_parts(header, k, v))
-    pieces = (tmp_path / "f").read_bytes()
-    assert len(pieces) == len(whole) and struct.unpack("<Q", pieces[:8])[0] % 8 == 0  # tensors 8-byte aligned
-    assert header_metadata(pieces) == header_metadata(whole)
-    table = lambda b: {n: t for n, t in json.loads(b[8:8 + struct.unpack("<Q", b[:8])[0]]).items()  # noqa: E731
-                       if n != "__metadata__"}
-    assert table(pieces) == table(whole)
-    for data in (pieces, whole):
-        got_k, got_v = fmt.decode(data, "a" * 32)  # checksum, shapes and dtype checked
-        assert torch.equal(got_k.view(torch.uint8), k.view(torch.uint8))
-        assert torch.equal(got_v.view(torch.uint8), v.view(torch.uint8))
-    loaded = st_load(pieces)
-    assert set(loaded) == {"k", "v"} and loaded["k"].dtype == dtype
-
-
-def test_pieces_reading_a_strided_tensor_write_its_dense_bytes(tmp_path):
-    fmt = KVFileFormat("model-fp", (2, 2, 8), torch.float32)
-    big = torch.arange(2 * 6 * 2 * 8, dtype=torch.float32).reshape(2, 6, 2, 8)
-    k, v = big[:, 1:4], big[:, 2:5] + 0.5  # strided views, as a slot range of an arena
-    header = FileHeader("d" * 32, "", "e" * 32, 3, 1, 0.0, None, ())
-    FileWriter(direct=False).write(tmp_path / "f", fmt.encode_parts(header, k, v))
-    got_k, got_v = fmt.decode((tmp_path / "f").read_bytes(), "d" * 32)
-    assert torch.equal(got_k, k) and torch.equal(got_v, v)
