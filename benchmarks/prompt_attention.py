@@ -35,10 +35,11 @@ sys.path.insert(0, str(HERE))
 
 from forward_vs_vllm import machine  # noqa: E402
 
+from ragcache_backend.model.kernels import native  # noqa: E402
 from ragcache_backend.model.kernels.native import BUILD_FLAGS  # noqa: E402
 
 SOURCE = "ragcache_backend/model/kernels/csrc/kernels_f32.c"
-HEADERS = ("ragcache_backend/model/kernels/csrc/simd_exp.h",)  # what kernels_f32.c includes (revisions since it exists)
+HEADERS = tuple(f"ragcache_backend/model/kernels/csrc/{h.name}" for h in native.HEADERS)  # headers the kernels include
 
 
 def revision_text(rev: str | None, path: str) -> str | None:

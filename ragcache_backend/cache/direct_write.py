@@ -17,9 +17,11 @@ is what its budget says it is.
 ``O_DIRECT`` needs the buffer's address, the file offset and the length aligned to the device's
 logical block; the data is copied into a page-aligned anonymous mapping (reused between writes),
 the tail padded to a multiple of :data:`ALIGN` bytes, and the file truncated to its real length
-after the write. Where ``O_DIRECT`` does not exist (macOS) or the file system refuses it (EINVAL:
-some FUSE and network file systems), the writer falls back to an ordinary write for good and says
-so once in the log.
+after the write. Where ``O_DIRECT`` does not exist (macOS) or the file system refuses it (EINVAL,
+then an ordinary write of the same file succeeds: some FUSE and network file systems), the writer
+falls back to ordinary writes for good and says so once in the log. A direct write that stops short
+of an aligned length (a nearly full disk) writes the rest through the page cache, where the real
+error, if any, shows.
 """
 
 from __future__ import annotations
@@ -67,21 +69,20 @@ class FileWriter:
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
+                # EINVAL: the file system refuses direct I/O, or a limit cut the write short (a
+                # file size limit). An ordinary write tells which: it raises the real error, if any.
+                _write_buffered(path, data)
                 self.direct = False
                 log.info("disk tier: %s refuses direct I/O (%s); writing through the page cache", path.parent, exc)
-        with open(path, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
+                return
+        _write_buffered(path, data)
 
     def _write_direct(self, path: Path, data: bytes) -> None:
         n = len(data)
         padded = n + (-n % ALIGN)
         buf = self._buffer if self._buffer is not None and len(self._buffer) >= padded else None
         if buf is None:
-            if self._buffer is not None:
-                self._buffer.close()
-                self._buffer = None
+            self.close()
             buf = mmap.mmap(-1, max(padded, ALIGN))  # anonymous: page-aligned, zero-filled
         view = memoryview(buf)
         try:
@@ -89,12 +90,20 @@ class FileWriter:
             view[n:padded] = bytes(padded - n)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
             try:
-                done = 0
-                while done < padded:
-                    wrote = os.write(fd, view[done:min(padded, done + _CHUNK)])
-                    if wrote <= 0 or wrote % ALIGN:
-                        raise OSError(errno.EIO, f"short direct write to {path} ({done + wrote} of {padded} bytes)")
+                done, end, direct = 0, padded, True
+                while done < end:
+                    with view[done:min(end, done + _CHUNK)] as chunk:
+                        wrote = os.write(fd, chunk)
+                    if wrote <= 0:
+                        raise OSError(errno.ENOSPC, f"no room to write {path} ({done} of {n} bytes written)")
                     done += wrote
+                    if direct and done % ALIGN:
+                        # a partial direct write (a nearly full disk): the rest through the page
+                        # cache from this unaligned offset, where the real error, if any, shows
+                        import fcntl
+
+                        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+                        direct, end = False, n
                 os.ftruncate(fd, n)
                 os.fsync(fd)
             finally:
@@ -104,10 +113,26 @@ class FileWriter:
             if len(buf) <= _KEEP:
                 self._buffer = buf
             else:
-                buf.close()
+                _unmap(buf)
 
     def close(self) -> None:
         """Unmap the reused buffer (the writer still works afterwards; it maps a new one)."""
         if self._buffer is not None:
-            self._buffer.close()
-            self._buffer = None
+            buf, self._buffer = self._buffer, None
+            _unmap(buf)
+
+
+def _write_buffered(path: Path, data: bytes) -> None:
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _unmap(buf: mmap.mmap) -> None:
+    """Unmap ``buf`` now, or leave it to the garbage collector where a view of it is still alive
+    (never raise over the error that may be on its way out)."""
+    try:
+        buf.close()
+    except BufferError:
+        pass

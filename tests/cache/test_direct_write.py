@@ -4,7 +4,10 @@ an ordinary write where the file system refuses direct I/O."""
 from __future__ import annotations
 
 import errno
+import mmap
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -12,15 +15,21 @@ from ragcache_backend.cache.direct_write import ALIGN, FileWriter
 
 
 def _opens_direct(folder) -> bool:
-    """Whether ``folder``'s file system opens files with O_DIRECT (tmpfs before Linux 6.6 does not)."""
+    """Whether ``folder``'s file system takes an aligned O_DIRECT write (tmpfs before Linux 6.6 does not)."""
     if not hasattr(os, "O_DIRECT"):
         return False
+    block = mmap.mmap(-1, ALIGN)  # page-aligned, as direct writes need
     try:
         fd = os.open(folder / ".probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+        try:
+            os.write(fd, block)
+        finally:
+            os.close(fd)
     except OSError:
         return False
-    os.close(fd)
-    (folder / ".probe").unlink()
+    finally:
+        (folder / ".probe").unlink(missing_ok=True)
+        block.close()
     return True
 
 
@@ -73,3 +82,29 @@ def test_other_errors_propagate(tmp_path):
         FileWriter().write(tmp_path / "missing-folder" / "f", b"abc")
     with pytest.raises(OSError):
         FileWriter(direct=False).write(tmp_path / "missing-folder" / "f", b"abc")
+
+
+def test_a_file_size_limit_gives_its_own_error_and_direct_io_stays_on(tmp_path):
+    """EINVAL from a direct write cut short by a limit is not a file system refusing direct I/O:
+    the caller gets the real error (EFBIG) and the next file is still written directly."""
+    if not _opens_direct(tmp_path):
+        pytest.skip("this file system does not open files with O_DIRECT")
+    script = f"""
+import errno, os, resource, signal
+from pathlib import Path
+from ragcache_backend.cache.direct_write import FileWriter
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (10000, resource.RLIM_INFINITY))
+w = FileWriter()
+try:
+    w.write(Path({str(tmp_path / 'big')!r}), os.urandom(3 * 4096 + 100))
+    raise SystemExit("no error")
+except OSError as exc:
+    assert exc.errno == errno.EFBIG, exc
+assert w.direct
+w.write(Path({str(tmp_path / 'small')!r}), b"x" * 5000)
+assert w.direct and Path({str(tmp_path / 'small')!r}).read_bytes() == b"x" * 5000
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
