@@ -13,9 +13,12 @@ from our host tier (PGDSF-managed, in the worker's memory) and disk tier (checks
 The class adapts vLLM's objects to plain data and delegates: the scheduler side
 (:class:`~ragcache_integrations.vllm.scheduler.ConnectorScheduler`, in vLLM's EngineCore process)
 decides, the worker side (:class:`~ragcache_integrations.vllm.worker.ConnectorWorker`, in each
-worker process) copies blocks. Loads are synchronous (written before the step's forward pass);
-saves are copied into the host tier's preallocated slots layer by layer as the forward pass
-writes them, and encoded and written to disk and Redis by background threads.
+worker process) copies blocks. On a CPU, loads are written before the step's forward pass; on a
+GPU they are queued on the connector's CUDA stream layer by layer and each layer's attention waits
+for its own layer only (``wait_for_layer_load``). Saves are copied into the host tier's
+preallocated slots layer by layer as the forward pass writes them (on a GPU queued on the same
+stream, waited for once after the forward pass), and encoded and written to disk and Redis by
+background threads.
 """
 
 from __future__ import annotations
@@ -278,7 +281,12 @@ class RAGCacheConnector(KVConnectorBase_V1):
         self._forward_t0 = time.perf_counter()  # the forward pass starts now: timed for PGDSF's cost
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # loads are written before the forward pass
+        # CPU: the loads were written by start_load_kv; GPU: this layer's copies, queued on the
+        # connector's stream, come before the layer's attention (the CPU does not wait)
+        if self._worker is not None:
+            i = self._worker.layer_index(layer_name)
+            if i is not None:
+                self._worker.wait_layer(i)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         if self._worker is None or not self.has_connector_metadata():

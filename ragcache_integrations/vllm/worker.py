@@ -12,9 +12,20 @@ and written by the stores' own threads, which read the slots, off the step's cri
 Layout: each layer is one tensor whose first dimension is the block id, in one of the layouts of
 :class:`~ragcache_integrations.vllm.layout.BlockLayout` (vLLM's CPU backend, and on GPUs
 FlashAttention, FlashInfer, Triton, FlexAttention and ROCm's split layout); blocks are copied whole
-and byte for byte along that dimension (on a GPU with synchronous copies through host tensors: the
-arena is pinned, but the gathered blocks are not yet copied to or from it directly). On disk and in
-Redis a block is stored in the tiers' ``(k, v)`` format ``[layers, block_size, kv_heads, head_size]``.
+and byte for byte along that dimension. On disk and in Redis a block is stored in the tiers'
+``(k, v)`` format ``[layers, block_size, kv_heads, head_size]``.
+
+On a CPU the copies are memcpy's on the calling thread. On a GPU they run on a CUDA stream of the
+connector's own, layer by layer, so that they overlap the forward pass (RAGCache §5.2's pipelining
+of KV transfer with computation; Cache-Craft eq. 16's loading schedule): :meth:`load` queues, per
+layer, copies straight from the pinned host arena (one per run of consecutive slots) into a device
+buffer and a scatter into vLLM's block ids, each layer's followed by an event; vLLM's
+``wait_for_layer_load`` (:meth:`wait_layer`) makes the forward pass's stream wait for that layer's
+event only, so layer ``i`` computes while layer ``i + 1`` is copied, and the CPU neither gathers
+blocks nor waits. Saves likewise: :meth:`save_layer` queues a gather of the layer's completed
+blocks and their copies into the pinned arena slots behind the kernels that wrote them (no
+synchronisation per layer), and :meth:`save` waits for them once, after the forward pass, before
+handing slots to the writers.
 
 A block that is missing, fails its checksum, or whose recorded token ids differ from the request's
 is not written; its vLLM block id is reported, and vLLM recomputes it (the connector sets
@@ -80,6 +91,7 @@ class _HostCopies:
     block_ids: list[int]
     slots: list[int]
     layers_done: set[int] = field(default_factory=set)
+    device_ids: torch.Tensor | None = None  # CUDA: block_ids on the device, made with the plan's first layer
 
 
 class ConnectorWorker:
@@ -116,6 +128,8 @@ class ConnectorWorker:
         self._arena_rows: list[np.ndarray] = []  # CPU: each arena layer as [host_slots, block bytes]
         self._failed_reqs: set[str] = set()  # requests whose load failed in the current step
         self._copies: _HostCopies | None = None  # the current plan's host saves, layer by layer
+        self._stream: torch.cuda.Stream | None = None  # CUDA: the connector's copy stream
+        self._load_events: list[torch.cuda.Event | None] = []  # CUDA: per layer, its queued load copies
         self._lock = threading.Lock()  # guards the two below (writer threads call _release)
         self._reading: dict[int, int] = {}  # slot -> writers still reading it
         self._written: set[int] = set()  # slots the writers are done with
@@ -157,6 +171,9 @@ class ConnectorWorker:
         cpu = layers[0].device.type == "cpu" and all(t.is_contiguous() for t in layers)
         self._rows = [_rows(t) for t in layers] if cpu else []
         self._arena_rows = [_rows(a) for a in self._arena] if cpu and self.host_slots else []
+        cuda = layers[0].device.type == "cuda"
+        self._stream = torch.cuda.Stream(layers[0].device) if cuda else None
+        self._load_events = [None] * len(layers)
 
     @property
     def host_keys(self) -> set[str]:
@@ -174,7 +191,13 @@ class ConnectorWorker:
 
     # ---- before the forward pass ------------------------------------------------------------------
     def load(self, plan: StepPlan) -> StepResult:
-        """Write the plan's blocks into vLLM's KV; forget the host blocks the scheduler evicted."""
+        """Write the plan's blocks into vLLM's KV; forget the host blocks the scheduler evicted.
+
+        Reads from the disk and remote tiers happen here, so the result (the blocks that failed)
+        is final when this returns. On a CPU the blocks are written when it returns; on a GPU the
+        copies are queued on the connector's stream and layer ``i`` is written for the forward
+        pass's stream once it has called :meth:`wait_layer` ``(i)`` (vLLM's ``wait_for_layer_load``).
+        """
         dropped = set(plan.host_drops)
         if dropped:
             self._held = {slot: held for slot, held in self._held.items() if held[0] not in dropped}
@@ -200,6 +223,10 @@ class ConnectorWorker:
                 continue
             ids.append(load.block_id)
             blocks.append(block)
+        if self._stream is not None:
+            self._load_async(slot_ids, slots, ids, blocks)
+            self.counters.load_us += int((time.perf_counter() - t0) * 1e6)
+            return result
         if slots:
             for i in range(len(self._layers)):
                 self._copy_blocks(self._layers[i], slot_ids, self._arena[i], slots, i, from_arena=True)
@@ -214,6 +241,52 @@ class ConnectorWorker:
             self.counters.load_bytes += stacked.nbytes
         self.counters.load_us += int((time.perf_counter() - t0) * 1e6)
         return result
+
+    def _load_async(self, slot_ids: list[int], slots: list[int], ids: list[int], blocks: list[torch.Tensor]) -> None:
+        """CUDA: per layer, the blocks copied into a device buffer (host arena slots straight from the
+        pinned arena, one copy per run of consecutive slots; blocks read from the disk or remote tier
+        through one pinned buffer), then scattered into vLLM's block ids, all on the connector's
+        stream, each layer's followed by an event for :meth:`wait_layer`. The CPU gathers nothing."""
+        first = self._layers[0]
+        read = None
+        if blocks:  # [layers, n, *block_shape]: already in this process's memory, pinned for the copy
+            read = torch.empty((len(self._layers), len(blocks), *first.shape[1:]), dtype=first.dtype, pin_memory=True)
+            torch.stack(blocks, dim=1, out=read)
+        runs = _runs(slots)
+        index = torch.tensor(slot_ids + ids, dtype=torch.long).pin_memory()
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(first.device))  # after the kernels already queued
+        with torch.cuda.stream(stream):
+            index = index.to(first.device, non_blocking=True)
+            staging = torch.empty((len(index), *first.shape[1:]), dtype=first.dtype, device=first.device)
+            for i, layer in enumerate(self._layers):  # one buffer: the stream orders its reuse by layer
+                for slot, at, n in runs:
+                    staging[at:at + n].copy_(self._arena[i, slot:slot + n], non_blocking=True)
+                if read is not None:
+                    staging[len(slots):].copy_(read[i], non_blocking=True)
+                layer.index_copy_(0, index, staging)
+                event = torch.cuda.Event()
+                event.record(stream)
+                self._load_events[i] = event
+        self.counters.load_bytes += staging.nbytes * len(self._layers)
+        # ``read`` and ``staging`` are freed here; torch's allocators keep them until the copies end
+
+    def wait_layer(self, i: int) -> None:
+        """vLLM's ``wait_for_layer_load``: the current CUDA stream waits for layer ``i``'s queued load
+        copies (the CPU does not wait). No-op on a CPU, or when nothing is queued for the layer."""
+        event = self._load_events[i] if 0 <= i < len(self._load_events) else None
+        if event is not None:
+            torch.cuda.current_stream(self._layers[i].device).wait_event(event)
+            self._load_events[i] = None
+
+    def wait_loads(self) -> None:
+        """:meth:`wait_layer` for every layer (a layer the forward pass did not wait for, say)."""
+        for i in range(len(self._load_events)):
+            self.wait_layer(i)
+
+    def layer_index(self, layer_name: str) -> int | None:
+        """The position of vLLM's layer ``layer_name`` among the registered KV tensors (None: not one of them)."""
+        return self._layer_index.get(layer_name)
 
     def _read(self, load: BlockLoad) -> torch.Tensor | None:
         if load.tier == "remote":
@@ -242,6 +315,7 @@ class ConnectorWorker:
         i = self._layer_index.get(layer_name)
         if i is None or not self.host_slots:
             return
+        self.wait_layer(i)  # the layer's loads before its saves (vLLM waited for it already)
         copies = self._host_copies(plan)
         if i in copies.layers_done:
             return
@@ -254,6 +328,7 @@ class ConnectorWorker:
         into their slots, then queue blocks for the disk and remote tiers (read by their writer
         threads from the slots, or from a copy for blocks the host tier did not admit). Nothing of
         a request whose load failed in this step (its forward pass read unwritten KV) is saved."""
+        self.wait_loads()  # a layer whose load the forward pass never waited for: later steps must see it
         saves = [s for s in plan.saves if s.req_id not in self._failed_reqs]
         skipped = [s for s in plan.saves if s.req_id in self._failed_reqs]
         self.counters.skipped_saves += len(skipped)
@@ -267,6 +342,7 @@ class ConnectorWorker:
         for i in range(len(self._layers)):
             if i not in copies.layers_done:
                 self._copy_to_slots(i, copies)
+        self._finish_host_copies(copies)
         self._copies = None
         host = copies.saves
         in_slot = {s.path_key for s in host}
@@ -306,9 +382,31 @@ class ConnectorWorker:
         return self._copies
 
     def _copy_to_slots(self, i: int, copies: _HostCopies) -> None:
-        if copies.saves:
+        if copies.saves and self._stream is not None:
+            self._save_layer_async(i, copies)
+        elif copies.saves:
             self._copy_blocks(self._layers[i], copies.block_ids, self._arena[i], copies.slots, i, from_arena=False)
         copies.layers_done.add(i)
+
+    def _save_layer_async(self, i: int, copies: _HostCopies) -> None:
+        """CUDA: layer ``i``'s saved blocks gathered on the device and copied straight into their
+        pinned arena slots (one copy per run of consecutive slots) on the connector's stream, behind
+        the kernels the forward pass has queued so far (those that wrote the layer's KV)."""
+        layer = self._layers[i]
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(layer.device))
+        with torch.cuda.stream(stream):
+            if copies.device_ids is None:  # the plan's first layer
+                copies.device_ids = torch.tensor(copies.block_ids, dtype=torch.long).pin_memory().to(
+                    layer.device, non_blocking=True)
+            gathered = layer.index_select(0, copies.device_ids)
+            for slot, at, n in _runs(copies.slots):
+                self._arena[i, slot:slot + n].copy_(gathered[at:at + n], non_blocking=True)
+
+    def _finish_host_copies(self, copies: _HostCopies) -> None:
+        """CUDA: wait (once per step, after the forward pass) for the plan's queued save copies."""
+        if self._stream is not None and copies.saves:
+            self._stream.synchronize()
 
     def _copy_blocks(self, layer: torch.Tensor, block_ids: list[int], arena: torch.Tensor, slots: list[int], i: int,
                      *, from_arena: bool) -> None:
@@ -386,6 +484,17 @@ class ConnectorWorker:
             self._held.pop(s.slot, None)
             if s.to_disk or s.to_remote:
                 self._release(s.slot)
+
+
+def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """``slots`` as runs of consecutive slots: ``(first slot, position in slots, length)`` each."""
+    runs: list[tuple[int, int, int]] = []
+    for at, slot in enumerate(slots):
+        if runs and runs[-1][0] + runs[-1][2] == slot:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((slot, at, 1))
+    return runs
 
 
 def _rows(t: torch.Tensor) -> np.ndarray:

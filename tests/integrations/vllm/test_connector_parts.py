@@ -504,6 +504,7 @@ def test_worker_copies_every_layout_exactly_through_host_disk_and_a_restart(tmp_
     worker.register(dst, layout)
     _, plan2 = run_prefill(sched, "b", tokens, [3, 4, 6, 8])
     assert {ld.tier for ld in plan2.loads} == {"host"} and worker.load(plan2).failed_block_ids == set()
+    worker.wait_loads()  # as vLLM's wait_for_layer_load before each layer (on a GPU the copies are queued)
     # a restart: only the disk tier is left
     dst2 = {n: torch.zeros_like(t) for n, t in src.items()}
     worker2 = ConnectorWorker(BS, DiskStore(tmp_path, "fp", disk.layout, torch.float32, 1 << 30))
@@ -511,9 +512,100 @@ def test_worker_copies_every_layout_exactly_through_host_disk_and_a_restart(tmp_
     ext, plan3 = run_prefill(ConnectorScheduler(BS, 1, 1 << 30, store_folder(tmp_path, "fp")), "c", tokens, [9, 10, 11, 12])
     assert ext == 12 and {ld.tier for ld in plan3.loads} == {"disk"}
     assert worker2.load(plan3).failed_block_ids == set()
+    worker2.wait_loads()
     for name in src:
         assert torch.equal(dst[name][[3, 4, 6]], src[name][[2, 5, 7]])
         assert torch.equal(dst2[name][[9, 10, 11]], src[name][[2, 5, 7]])
         assert not dst[name][[0, 1, 2, 5]].any() and not dst2[name][:9].any()  # nothing else written
     worker.close()
     worker2.close()
+
+
+SLOW_KERNEL = 200_000_000  # GPU cycles (~0.1 s): a forward pass still running when the connector is called
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams: needs a GPU (benchmarks/gpu_check.sh)")
+def test_cuda_copies_are_ordered_with_the_forward_pass_without_waiting_for_it(tmp_path) -> None:
+    """On a GPU the worker queues its copies on its own stream: a save reads a block only after the
+    kernels queued before it (which wrote the block) have run, a load writes after them, and a layer
+    read after ``wait_layer`` sees the loaded block, while ``save_layer`` and ``load`` return
+    before the slow kernel ends (the CPU does not wait for the GPU)."""
+    import time
+
+    src = vllm_kv("packed", "cuda", seed=3)
+    names = list(src)
+    layout = BlockLayout.detect(src[names[0]], BS, kv_heads=HEADS, head_size=HS)
+    disk = DiskStore(tmp_path, "fp", layout.disk_layout(LAYERS), torch.float32, 1 << 30)
+    sched = ConnectorScheduler(BS, BLOCK_BYTES, 64 * BLOCK_BYTES, store_folder(tmp_path, "fp"))
+    worker = ConnectorWorker(BS, disk, host_slots=sched.num_slots)
+    worker.register(src, layout)
+    tokens = list(range(9))
+    _, plan = run_prefill(sched, "a", tokens, [2, 5, 7])
+    assert worker.load(plan).failed_block_ids == set()
+    written = torch.tensor([2, 5], device="cuda")  # the blocks the step completes
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i, name in enumerate(names):  # "the forward pass": a slow kernel, then the layer writes its KV
+        torch.cuda._sleep(SLOW_KERNEL)
+        src[name].index_fill_(0, written, float(i + 1))
+        worker.save_layer(plan, name)
+    queued = time.perf_counter() - t0
+    worker.save(plan)
+    assert queued < 0.05, f"save_layer waited for the GPU ({queued:.3f} s)"
+    assert disk.flush(10)
+    sched.written(worker.take_written())
+    k, _ = disk.load(disk.lookup(plan.saves[0].path_key))
+    assert torch.equal(k, torch.arange(1, LAYERS + 1, dtype=torch.float32).view(LAYERS, 1, 1, 1).expand_as(k))
+    # a load into fresh tensors, queued behind a slow kernel that writes the same blocks first
+    dst = {n: torch.zeros_like(t) for n, t in src.items()}
+    worker.register(dst, layout)
+    _, plan2 = run_prefill(sched, "b", tokens, [8, 9, 10])
+    assert {ld.tier for ld in plan2.loads} == {"host"}
+    stale = torch.tensor([8, 9], device="cuda")
+    torch.cuda._sleep(SLOW_KERNEL)
+    for t in dst.values():
+        t.index_fill_(0, stale, -1.0)
+    t0 = time.perf_counter()
+    assert worker.load(plan2).failed_block_ids == set()
+    assert time.perf_counter() - t0 < 0.05, "load waited for the GPU"
+    for i, name in enumerate(names):
+        worker.wait_layer(i)  # as vLLM's wait_for_layer_load, on the forward pass's stream
+        assert torch.equal(dst[name][[8, 9]], src[name][[2, 5]])
+    worker.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams: needs a GPU (benchmarks/gpu_check.sh)")
+def test_cuda_loads_from_scattered_slots_and_the_disk_in_one_step(tmp_path) -> None:
+    """Host-tier blocks in slots that are not consecutive (several runs, out of order) and blocks
+    read from the disk tier, loaded in one step into block ids in another order: each lands
+    exactly where the plan says, and nothing else is written."""
+    from ragcache_integrations.vllm.plan import BlockLoad, BlockSave
+
+    src = vllm_kv("packed", "cuda", num_blocks=12, seed=4)
+    layout = BlockLayout.detect(next(iter(src.values())), BS, kv_heads=HEADS, head_size=HS)
+    disk = DiskStore(tmp_path, "fp", layout.disk_layout(LAYERS), torch.float32, 1 << 30)
+    worker = ConnectorWorker(BS, disk, host_slots=8)
+    worker.register(src, layout)
+
+    def toks(j: int) -> tuple[int, ...]:
+        return tuple(range(j * BS, (j + 1) * BS))
+
+    slots = {0: 5, 1: 2, 2: 3, 3: 7, 4: 0}  # source block -> host slot: runs (5), (2, 3), (7), (0)
+    saves = [BlockSave(f"h{b}", "", f"s{b}", toks(b), b, True, False, 1.0, "a", slot=slot) for b, slot in slots.items()]
+    saves += [BlockSave(f"d{b}", "", f"t{b}", toks(b), b, False, True, 1.0, "a") for b in (5, 6)]
+    worker.save(StepPlan(saves=saves))
+    assert disk.flush(10)
+    dst = {n: torch.zeros_like(t) for n, t in src.items()}
+    worker.register(dst, layout)
+    where = {4: 11, 1: 3, 2: 4, 0: 9, 3: 1}  # source block -> destination block id
+    loads = [BlockLoad(f"h{b}", toks(b), where[b], "host", "b", slot=slots[b]) for b in where]
+    loads += [BlockLoad(f"d{b}", toks(b), dest, "disk", "b") for b, dest in ((6, 6), (5, 2))]
+    assert worker.load(StepPlan(loads=loads)).failed_block_ids == set()
+    worker.wait_loads()
+    written = set()
+    for name in src:
+        for b, dest in list(where.items()) + [(6, 6), (5, 2)]:
+            assert torch.equal(dst[name][dest], src[name][b]), (name, b, dest)
+            written.add(dest)
+        assert not dst[name][[j for j in range(12) if j not in written]].any()
+    worker.close()
