@@ -427,12 +427,21 @@ class ConnectorWorker:
     def _gather_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A fresh ``[layers, n, *block_shape]`` CPU copy of vLLM's blocks."""
         first = self._layers[0]
-        out = torch.empty((len(self._layers), len(block_ids), *first.shape[1:]), dtype=first.dtype)
-        for i, layer in enumerate(self._layers):
-            if self._rows:
-                _rows(out[i])[:] = self._rows[i][block_ids]
-            else:
-                out[i].copy_(layer.index_select(0, torch.tensor(block_ids, device=layer.device)))
+        out = torch.empty((len(self._layers), len(block_ids), *first.shape[1:]), dtype=first.dtype,
+                          pin_memory=self._stream is not None)
+        if self._stream is not None:  # CUDA: queued on the connector's stream, one wait for all layers
+            self._stream.wait_stream(torch.cuda.current_stream(first.device))
+            with torch.cuda.stream(self._stream):
+                index = torch.tensor(block_ids, dtype=torch.long).pin_memory().to(first.device, non_blocking=True)
+                for i, layer in enumerate(self._layers):
+                    out[i].copy_(layer.index_select(0, index), non_blocking=True)
+            self._stream.synchronize()
+        else:
+            for i, layer in enumerate(self._layers):
+                if self._rows:
+                    _rows(out[i])[:] = self._rows[i][block_ids]
+                else:
+                    out[i].copy_(layer.index_select(0, torch.tensor(block_ids, device=layer.device)))
         self.counters.save_bytes += out.nbytes
         return out
 
