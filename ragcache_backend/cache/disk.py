@@ -49,9 +49,11 @@ import re
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -159,6 +161,16 @@ class DiskStats:
 
 
 @dataclass(slots=True)
+class _Read:
+    """One file read: its ``(k, v)``, or why not (``gone``, ``unreadable``, ``corrupt``, and the detail)."""
+
+    kv: tuple[torch.Tensor, torch.Tensor] | None
+    failure: Literal["", "gone", "unreadable", "corrupt"]
+    why: str
+    seconds: float
+
+
+@dataclass(slots=True)
 class _Job:
     entry: DiskEntry
     k: torch.Tensor
@@ -189,6 +201,8 @@ class DiskStore:
         InvalidRequestError: a budget below 1 byte, or ``root`` exists and is not a folder.
         OSError: the folder cannot be created.
     """
+
+    READ_THREADS = 4  # files :meth:`load_many` reads at once
 
     def __init__(self, root: Path | str, fingerprint: str, layout: tuple[int, int, int], dtype: torch.dtype,
                  budget_bytes: int, *, policy: str = "pgdsf", max_pending_bytes: int = 256 * MiB) -> None:
@@ -222,6 +236,7 @@ class DiskStore:
         self._scan()
         self._writer = threading.Thread(target=self._write_loop, name="ragcache-disk-writer", daemon=True)
         self._writer.start()
+        self._readers: ThreadPoolExecutor | None = None  # load_many's, made on first use
 
     # ---- views ---------------------------------------------------------------------------------
     @property
@@ -278,26 +293,52 @@ class DiskStore:
         Returns None when the file is gone (evicted meanwhile) or fails verification (truncated,
         corrupt, foreign): then it is deleted, logged and counted, and the caller recomputes.
         """
+        return self._settle(entry, self._read(entry))
+
+    def load_many(self, entries: Sequence[DiskEntry]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """:meth:`load` of each entry, the files read and verified by up to :attr:`READ_THREADS`
+        threads at once (a disk answers several reads in flight faster than one after another:
+        300 files of 737 KB, page cache dropped, 1.0-1.1 GB/s one at a time and 1.7-2.0 GB/s four at
+        a time on this project's VM's virtio disk). Same results, in the same order, as calling
+        :meth:`load` on each; the index and counters are updated on the calling thread."""
+        if len(entries) < 2:
+            return [self.load(e) for e in entries]
+        if self._readers is None:
+            self._readers = ThreadPoolExecutor(self.READ_THREADS, thread_name_prefix="ragcache-disk-read")
+        reads = list(self._readers.map(self._read, entries))
+        return [self._settle(entry, read) for entry, read in zip(entries, reads)]
+
+    def _read(self, entry: DiskEntry) -> _Read:
+        """Read and verify ``entry``'s file; touches nothing shared (any thread may call it)."""
         t0 = time.perf_counter()
         path = self._file(entry.path_key)
         try:
             data = path.read_bytes()
         except FileNotFoundError:
+            return _Read(None, "gone", "", time.perf_counter() - t0)
+        except OSError as exc:
+            return _Read(None, "unreadable", str(exc), time.perf_counter() - t0)
+        try:
+            return _Read(self._format.decode(data, entry.path_key), "", "", time.perf_counter() - t0)
+        except CorruptFileError as exc:
+            return _Read(None, "corrupt", str(exc), time.perf_counter() - t0)
+
+    def _settle(self, entry: DiskEntry, read: _Read) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The index and counters after a read of ``entry``'s file (on the calling thread)."""
+        self.stats.read_s += read.seconds
+        path = self._file(entry.path_key)
+        if read.failure == "gone":
             self._forget(entry.path_key, delete=False)
             return None
-        except OSError as exc:
-            log.warning("disk tier: cannot read %s (%s); recomputing", path.name, exc)
+        if read.failure == "unreadable":
+            log.warning("disk tier: cannot read %s (%s); recomputing", path.name, read.why)
             return None
-        try:
-            kv = self._format.decode(data, entry.path_key)
-        except CorruptFileError as exc:
-            self._drop_corrupt(path, str(exc))
+        if read.failure == "corrupt":
+            self._drop_corrupt(path, read.why)
             return None
-        finally:
-            self.stats.read_s += time.perf_counter() - t0
         self.stats.loaded += 1
         self.touch(entry)
-        return kv
+        return read.kv
 
     def touch(self, entry: DiskEntry) -> None:
         """Count a reference to ``entry`` (frequency + 1) and refresh its priority."""
@@ -397,6 +438,8 @@ class DiskStore:
         self._closed = True
         self._queue.put(None)
         self._writer.join(timeout)
+        if self._readers is not None:
+            self._readers.shutdown(wait=True)
 
     def _write_loop(self) -> None:
         lower_thread_priority()

@@ -148,6 +148,29 @@ class RemoteStore:
             return None
         finally:
             self.stats.read_s += time.perf_counter() - t0
+        return self._entry(pkey, tokens, data)
+
+    def get_many(self, items: Sequence[tuple[str, tuple[int, ...]]]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """:meth:`get` of each ``(path key, tokens)``, in one round trip to Redis (``MGET``) instead of
+        one per entry; same results, in the same order."""
+        if not items:
+            return []
+        if not self._usable():
+            self.stats.misses += len(items)
+            return [None] * len(items)
+        t0 = time.perf_counter()
+        try:
+            datas = self._redis.mget([self.name(pkey) for pkey, _ in items])
+        except self._errors as exc:
+            self._failed("get", exc)
+            self.stats.misses += len(items)
+            return [None] * len(items)
+        finally:
+            self.stats.read_s += time.perf_counter() - t0
+        return [self._entry(pkey, tokens, data) for (pkey, tokens), data in zip(items, datas)]
+
+    def _entry(self, pkey: str, tokens: tuple[int, ...], data: bytes | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The ``(k, v)`` of entry ``pkey``'s bytes ``data`` (None: absent), checked; a bad entry is deleted."""
         if data is None:
             self.stats.misses += 1
             return None

@@ -208,13 +208,14 @@ class ConnectorWorker:
             return result
         t0 = time.perf_counter()
         slot_ids, slots, ids, blocks = [], [], [], []
+        read = self._read_all([ld for ld in plan.loads if ld.tier != "host"])
         for load in plan.loads:
             if load.tier == "host" and load.slot is not None and self._held.get(load.slot) == (load.path_key, load.tokens):
                 slot_ids.append(load.block_id)
                 slots.append(load.slot)
                 self.counters.loaded_host += 1
                 continue
-            block = None if load.tier == "host" else self._read(load)
+            block = read.get(load.block_id)
             if block is None:
                 result.failed_block_ids.add(load.block_id)
                 result.failed_keys.add(load.path_key)
@@ -288,25 +289,29 @@ class ConnectorWorker:
         """The position of vLLM's layer ``layer_name`` among the registered KV tensors (None: not one of them)."""
         return self._layer_index.get(layer_name)
 
-    def _read(self, load: BlockLoad) -> torch.Tensor | None:
-        if load.tier == "remote":
-            if self.remote is None:
-                return None
-            kv = self.remote.get(load.path_key, load.tokens)
-            if kv is None:
-                return None
-            self.counters.loaded_remote += 1
-            return self.layout.from_kv(*kv)
-        if self.disk is None:
-            return None
-        entry = self.disk.lookup(load.path_key)
-        if entry is None or entry.tokens != load.tokens:
-            return None
-        kv = self.disk.load(entry)
-        if kv is None:
-            return None
-        self.counters.loaded_disk += 1
-        return self.layout.from_kv(*kv)
+    def _read_all(self, loads: list[BlockLoad]) -> dict[int, torch.Tensor]:
+        """The blocks of ``loads`` (disk and remote tier) that are there and pass their checks, by vLLM
+        block id, each ``[layers, *block_shape]``: the disk tier's files read several at once
+        (:meth:`DiskStore.load_many`), the remote tier's entries in one round trip
+        (:meth:`RemoteStore.get_many`)."""
+        out: dict[int, torch.Tensor] = {}
+        disk = []  # (load, its entry): files that exist and record the request's tokens
+        for ld in loads:
+            entry = self.disk.lookup(ld.path_key) if ld.tier == "disk" and self.disk is not None else None
+            if entry is not None and entry.tokens == ld.tokens:
+                disk.append((ld, entry))
+        if disk:
+            for (ld, _), kv in zip(disk, self.disk.load_many([e for _, e in disk])):
+                if kv is not None:
+                    out[ld.block_id] = self.layout.from_kv(*kv)
+                    self.counters.loaded_disk += 1
+        remote = [ld for ld in loads if ld.tier == "remote"] if self.remote is not None else []
+        if remote:
+            for ld, kv in zip(remote, self.remote.get_many([(ld.path_key, ld.tokens) for ld in remote])):
+                if kv is not None:
+                    out[ld.block_id] = self.layout.from_kv(*kv)
+                    self.counters.loaded_remote += 1
+        return out
 
     # ---- during and after the forward pass ------------------------------------------------------
     def save_layer(self, plan: StepPlan, layer_name: str) -> None:

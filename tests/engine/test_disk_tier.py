@@ -285,3 +285,35 @@ def test_a_shared_pool_keeps_no_replica_and_moves_nodes_without_copies(tiny_mode
     assert again.host_hits > 0 and again.token_ids == first.token_ids
     assert e.cache.stats.moved_in > 0 and e.cache.stats.swap_ins == 0
     assert_no_leak(e)
+
+
+def test_load_many_reads_several_files_at_once_with_the_same_results_as_load(tmp_path):
+    """Files read by the reader threads come back in order and exactly; a file gone meanwhile, a
+    truncated one and a foreign one are what ``load`` makes of them (a miss; the damaged ones
+    deleted and counted), and a good file's frequency is counted once."""
+    layout = (2, 2, 8)
+    store = DiskStore(tmp_path, "fp", layout, torch.float32, 1 << 30)
+    g = torch.Generator().manual_seed(0)
+    keys, kvs = [], []
+    for i in range(7):  # seven first segments (a missing file also drops the entries below it)
+        k, v = torch.randn(2, 4, 2, 8, generator=g), torch.randn(2, 4, 2, 8, generator=g)
+        pkey = path_key("", f"s{i}")
+        assert store.put(pkey, "", f"s{i}", k, v, NodeStats(1, 0.0, 4, 0))
+        keys.append(pkey)
+        kvs.append((k, v))
+    assert store.flush(10)
+    entries = [store.lookup(p) for p in keys]
+    os.remove(store.directory / f"{keys[1]}.kv.safetensors")  # gone
+    damaged = store.directory / f"{keys[3]}.kv.safetensors"
+    damaged.write_bytes(damaged.read_bytes()[:-10])  # truncated
+    foreign = store.directory / f"{keys[5]}.kv.safetensors"
+    foreign.write_bytes(st_save({"k": torch.zeros(1)}, metadata={"format": "0"}))
+    got = store.load_many(entries)
+    assert [x is None for x in got] == [False, True, False, True, False, True, False]
+    for i in (0, 2, 4, 6):
+        assert torch.equal(got[i][0], kvs[i][0]) and torch.equal(got[i][1], kvs[i][1])
+    assert store.stats.loaded == 4 and store.stats.corrupt == 2
+    assert [store.lookup(p) is not None for p in keys] == [True, False, True, False, True, False, True]
+    assert store.lookup(keys[0]).frequency == entries[0].frequency == 2  # written with 1, read once
+    assert store.load_many([]) == [] and store.load_many(entries[:1])[0] is not None
+    store.close()
