@@ -147,7 +147,8 @@ class DiskStats:
         skipped: puts not queued (writer behind by more than ``max_pending_bytes``, a node
             larger than the budget, or a node whose parent is not on disk). corrupt: files found truncated, corrupt or foreign, and
             deleted. evictions: files deleted to stay in budget. loaded: files read back.
-        write_s, read_s: seconds spent writing (writer thread) and reading + verifying files.
+        write_s, read_s: seconds spent writing (writer thread) and reading + verifying files
+            (wall time: a batch read by several threads counts once).
     """
 
     writes: int = 0
@@ -296,17 +297,25 @@ class DiskStore:
         return self._settle(entry, self._read(entry))
 
     def load_many(self, entries: Sequence[DiskEntry]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-        """:meth:`load` of each entry, the files read and verified by up to :attr:`READ_THREADS`
-        threads at once (a disk answers several reads in flight faster than one after another:
-        300 files of 737 KB, page cache dropped, 1.0-1.1 GB/s one at a time and 1.7-2.0 GB/s four at
-        a time on this project's VM's virtio disk). Same results, in the same order, as calling
-        :meth:`load` on each; the index and counters are updated on the calling thread."""
-        if len(entries) < 2:
+        """:meth:`load` of each entry, in order, the files read and verified by up to
+        :attr:`READ_THREADS` threads at once (a disk answers several reads in flight faster than one
+        after another: ``benchmarks/disk_reads.py``). The index and counters are updated on the
+        calling thread, in order, as :meth:`load` would: an entry whose parent turns out gone or
+        damaged earlier in the batch is a miss (its file was deleted with the parent's). After
+        :meth:`close`, the files are read one after another."""
+        if len(entries) < 2 or self._closed:
             return [self.load(e) for e in entries]
-        if self._readers is None:
-            self._readers = ThreadPoolExecutor(self.READ_THREADS, thread_name_prefix="ragcache-disk-read")
-        reads = list(self._readers.map(self._read, entries))
-        return [self._settle(entry, read) for entry, read in zip(entries, reads)]
+        with self._lock:
+            if self._readers is None:
+                self._readers = ThreadPoolExecutor(self.READ_THREADS, thread_name_prefix="ragcache-disk-read")
+            readers = self._readers
+        t0 = time.perf_counter()
+        try:
+            reads = list(readers.map(self._read, entries))
+        except RuntimeError:  # closed by another thread meanwhile
+            return [self.load(e) for e in entries]
+        self.stats.read_s += time.perf_counter() - t0  # wall time of the batch, as for one-by-one reads
+        return [self._settle(entry, read, timed=False) for entry, read in zip(entries, reads)]
 
     def _read(self, entry: DiskEntry) -> _Read:
         """Read and verify ``entry``'s file; touches nothing shared (any thread may call it)."""
@@ -323,9 +332,16 @@ class DiskStore:
         except CorruptFileError as exc:
             return _Read(None, "corrupt", str(exc), time.perf_counter() - t0)
 
-    def _settle(self, entry: DiskEntry, read: _Read) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The index and counters after a read of ``entry``'s file (on the calling thread)."""
-        self.stats.read_s += read.seconds
+    def _settle(self, entry: DiskEntry, read: _Read, *, timed: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The index and counters after a read of ``entry``'s file (on the calling thread). An entry
+        no longer indexed (forgotten with a parent, evicted, or written again meanwhile) is a miss
+        and changes nothing: what its file now holds is not what was read."""
+        if timed:
+            self.stats.read_s += read.seconds
+        with self._lock:
+            current = self._entries.get(entry.path_key) is entry
+        if not current:
+            return None
         path = self._file(entry.path_key)
         if read.failure == "gone":
             self._forget(entry.path_key, delete=False)
@@ -438,8 +454,10 @@ class DiskStore:
         self._closed = True
         self._queue.put(None)
         self._writer.join(timeout)
-        if self._readers is not None:
-            self._readers.shutdown(wait=True)
+        with self._lock:
+            readers, self._readers = self._readers, None
+        if readers is not None:
+            readers.shutdown(wait=True)
 
     def _write_loop(self) -> None:
         lower_thread_priority()

@@ -92,6 +92,8 @@ class _HostCopies:
     slots: list[int]
     layers_done: set[int] = field(default_factory=set)
     device_ids: torch.Tensor | None = None  # CUDA: block_ids on the device, made with the plan's first layer
+    runs: list[tuple[int, int, int]] = field(default_factory=list)  # CUDA: the slots as runs (see _runs)
+    gathered: torch.Tensor | None = None  # CUDA, slots in many runs: pinned [layers, n, *block], scattered at the end
 
 
 class ConnectorWorker:
@@ -111,6 +113,8 @@ class ConnectorWorker:
         host_slots: blocks the host arena holds (:func:`~ragcache_integrations.vllm.plan.host_slots`
             of the host tier's budget; 0: no host tier).
     """
+
+    MAX_RUNS = 8  # CUDA: runs of consecutive host slots copied one by one; more: gathered on the CPU first
 
     def __init__(self, block_size: int, disk: DiskStore | None, remote: RemoteStore | None = None,
                  host_slots: int = 0) -> None:
@@ -194,10 +198,11 @@ class ConnectorWorker:
         """Write the plan's blocks into vLLM's KV; forget the host blocks the scheduler evicted.
 
         Reads from the disk and remote tiers happen here, so the result (the blocks that failed)
-        is final when this returns. On a CPU the blocks are written when it returns; on a GPU the
-        copies are queued on the connector's stream and layer ``i`` is written for the forward
-        pass's stream once it has called :meth:`wait_layer` ``(i)`` (vLLM's ``wait_for_layer_load``).
+        is final when this returns. On CUDA the copies are queued on the connector's stream and
+        layer ``i`` is written for the forward pass's stream once it has called :meth:`wait_layer`
+        ``(i)`` (vLLM's ``wait_for_layer_load``); elsewhere the blocks are written when it returns.
         """
+        self._load_events = [None] * len(self._layers)  # the last plan's loads were waited for by its save()
         dropped = set(plan.host_drops)
         if dropped:
             self._held = {slot: held for slot, held in self._held.items() if held[0] not in dropped}
@@ -244,41 +249,53 @@ class ConnectorWorker:
         return result
 
     def _load_async(self, slot_ids: list[int], slots: list[int], ids: list[int], blocks: list[torch.Tensor]) -> None:
-        """CUDA: per layer, the blocks copied into a device buffer (host arena slots straight from the
-        pinned arena, one copy per run of consecutive slots; blocks read from the disk or remote tier
-        through one pinned buffer), then scattered into vLLM's block ids, all on the connector's
-        stream, each layer's followed by an event for :meth:`wait_layer`. The CPU gathers nothing."""
+        """CUDA: per layer, the blocks copied into a device buffer, then scattered into vLLM's block
+        ids, all on the connector's stream, each layer's followed by an event for :meth:`wait_layer`.
+        Host-tier blocks are copied straight from the pinned arena, one copy per run of consecutive
+        slots; when the slots fall in more than :attr:`MAX_RUNS` runs (copies too small and many to
+        launch), they are gathered on the CPU into one pinned buffer instead, as are the blocks read
+        from the disk or remote tier (already in this process's memory)."""
         first = self._layers[0]
-        read = None
-        if blocks:  # [layers, n, *block_shape]: already in this process's memory, pinned for the copy
-            read = torch.empty((len(self._layers), len(blocks), *first.shape[1:]), dtype=first.dtype, pin_memory=True)
-            torch.stack(blocks, dim=1, out=read)
         runs = _runs(slots)
+        gather = len(runs) > self.MAX_RUNS
+        n_host = len(slots) if gather else 0
+        host = None  # [layers, n, *block_shape] pinned: gathered slots, then the blocks read
+        if gather or blocks:
+            host = torch.empty((len(self._layers), n_host + len(blocks), *first.shape[1:]), dtype=first.dtype,
+                               pin_memory=True)
+            if gather:
+                where = torch.tensor(slots, dtype=torch.long)
+                for i in range(len(self._layers)):
+                    torch.index_select(self._arena[i], 0, where, out=host[i, :n_host])
+            if blocks:
+                torch.stack(blocks, dim=1, out=host[:, n_host:])
         index = torch.tensor(slot_ids + ids, dtype=torch.long).pin_memory()
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(first.device))  # after the kernels already queued
         with torch.cuda.stream(stream):
             index = index.to(first.device, non_blocking=True)
             staging = torch.empty((len(index), *first.shape[1:]), dtype=first.dtype, device=first.device)
+            at_host = 0 if gather else len(slots)  # where host's blocks go in staging
             for i, layer in enumerate(self._layers):  # one buffer: the stream orders its reuse by layer
-                for slot, at, n in runs:
-                    staging[at:at + n].copy_(self._arena[i, slot:slot + n], non_blocking=True)
-                if read is not None:
-                    staging[len(slots):].copy_(read[i], non_blocking=True)
+                if not gather:
+                    for slot, at, n in runs:
+                        staging[at:at + n].copy_(self._arena[i, slot:slot + n], non_blocking=True)
+                if host is not None:
+                    staging[at_host:].copy_(host[i], non_blocking=True)
                 layer.index_copy_(0, index, staging)
                 event = torch.cuda.Event()
                 event.record(stream)
                 self._load_events[i] = event
         self.counters.load_bytes += staging.nbytes * len(self._layers)
-        # ``read`` and ``staging`` are freed here; torch's allocators keep them until the copies end
+        # ``host`` and ``staging`` are freed here; torch's allocators keep them until the copies end
 
     def wait_layer(self, i: int) -> None:
         """vLLM's ``wait_for_layer_load``: the current CUDA stream waits for layer ``i``'s queued load
-        copies (the CPU does not wait). No-op on a CPU, or when nothing is queued for the layer."""
+        copies of this plan (the CPU does not wait). No-op off CUDA, or when nothing was queued for
+        the layer."""
         event = self._load_events[i] if 0 <= i < len(self._load_events) else None
-        if event is not None:
+        if event is not None:  # kept until the next plan: another stream may wait for it too
             torch.cuda.current_stream(self._layers[i].device).wait_event(event)
-            self._load_events[i] = None
 
     def wait_loads(self) -> None:
         """:meth:`wait_layer` for every layer (a layer the forward pass did not wait for, say)."""
@@ -394,9 +411,11 @@ class ConnectorWorker:
         copies.layers_done.add(i)
 
     def _save_layer_async(self, i: int, copies: _HostCopies) -> None:
-        """CUDA: layer ``i``'s saved blocks gathered on the device and copied straight into their
-        pinned arena slots (one copy per run of consecutive slots) on the connector's stream, behind
-        the kernels the forward pass has queued so far (those that wrote the layer's KV)."""
+        """CUDA: layer ``i``'s saved blocks gathered on the device and copied into their pinned arena
+        slots (one copy per run of consecutive slots; into one pinned buffer, scattered by
+        :meth:`_finish_host_copies`, when the slots fall in more than :attr:`MAX_RUNS` runs) on the
+        connector's stream, behind the kernels the forward pass has queued so far (those that
+        wrote the layer's KV)."""
         layer = self._layers[i]
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(layer.device))
@@ -404,14 +423,26 @@ class ConnectorWorker:
             if copies.device_ids is None:  # the plan's first layer
                 copies.device_ids = torch.tensor(copies.block_ids, dtype=torch.long).pin_memory().to(
                     layer.device, non_blocking=True)
+                copies.runs = _runs(copies.slots)
+                if len(copies.runs) > self.MAX_RUNS:
+                    copies.gathered = torch.empty((len(self._layers), len(copies.slots), *layer.shape[1:]),
+                                                  dtype=layer.dtype, pin_memory=True)
             gathered = layer.index_select(0, copies.device_ids)
-            for slot, at, n in _runs(copies.slots):
+            if copies.gathered is not None:
+                copies.gathered[i].copy_(gathered, non_blocking=True)
+                return
+            for slot, at, n in copies.runs:
                 self._arena[i, slot:slot + n].copy_(gathered[at:at + n], non_blocking=True)
 
     def _finish_host_copies(self, copies: _HostCopies) -> None:
-        """CUDA: wait (once per step, after the forward pass) for the plan's queued save copies."""
-        if self._stream is not None and copies.saves:
-            self._stream.synchronize()
+        """CUDA: wait (once per step, after the forward pass) for the plan's queued save copies
+        (then scatter gathered blocks into their slots)."""
+        if self._stream is None or not copies.saves:
+            return
+        self._stream.synchronize()
+        if copies.gathered is not None:
+            self._arena.index_copy_(1, torch.tensor(copies.slots, dtype=torch.long), copies.gathered)
+            copies.gathered = None
 
     def _copy_blocks(self, layer: torch.Tensor, block_ids: list[int], arena: torch.Tensor, slots: list[int], i: int,
                      *, from_arena: bool) -> None:

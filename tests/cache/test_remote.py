@@ -122,6 +122,13 @@ def test_get_many_is_one_round_trip_with_the_checks_of_get(redis_server) -> None
     assert stats["cmdstat_mget"]["calls"] == 1 and "cmdstat_get" not in stats  # one round trip
     assert s.exists(["p1", "p2"]) == [False, False] and s.stats.corrupt == 2  # bad entries deleted
     assert s.stats.hits == 2 and s.stats.misses == 1 and s.get_many([]) == []
+    s.MGET_KEYS = 2  # several MGETs, still one round trip
+    r.config_resetstat()
+    assert [x is None for x in s.get_many([("p0", (1, 2, 3, 4, 5)), ("p3", (1, 2, 3, 4, 5)), ("absent", (1,))])] == \
+        [False, False, True]
+    assert r.info("commandstats")["cmdstat_mget"]["calls"] == 2
     redis_server.stop()
-    assert s.get_many([("p0", (1, 2, 3, 4, 5))]) == [None]  # Redis down: a counted miss, no error
+    misses = s.stats.misses
+    assert s.get_many([("p0", (1, 2, 3, 4, 5)), ("p3", (1, 2, 3, 4, 5))]) == [None, None]  # Redis down: no error
+    assert s.stats.misses == misses + 2 and s.stats.errors == 1
     s.close(timeout=1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -316,4 +317,22 @@ def test_load_many_reads_several_files_at_once_with_the_same_results_as_load(tmp
     assert [store.lookup(p) is not None for p in keys] == [True, False, True, False, True, False, True]
     assert store.lookup(keys[0]).frequency == entries[0].frequency == 2  # written with 1, read once
     assert store.load_many([]) == [] and store.load_many(entries[:1])[0] is not None
+    assert any(t.name.startswith("ragcache-disk-read") for t in threading.enumerate())  # read by the pool
+    # a chain whose first file is damaged: the files below it are misses, as one-by-one loads make them
+    chain, parent = [], ""
+    for i in range(3):
+        k = torch.randn(2, 4, 2, 8, generator=g)
+        pkey = path_key(parent, f"c{i}")
+        assert store.put(pkey, parent, f"c{i}", k, k.clone(), NodeStats(1, 0.0, 4, 0))
+        chain.append(pkey)
+        parent = pkey
+    assert store.flush(10)
+    entries = [store.lookup(p) for p in chain]
+    first = store.directory / f"{chain[0]}.kv.safetensors"
+    first.write_bytes(first.read_bytes()[:-10])
+    loaded = store.stats.loaded
+    assert store.load_many(entries) == [None, None, None] and store.stats.loaded == loaded
+    assert all(store.lookup(p) is None for p in chain) and not any(store.directory.glob(f"{chain[1]}*"))
     store.close()
+    after = store.load_many([store.lookup(keys[0]), store.lookup(keys[2])])  # closed: read one by one
+    assert torch.equal(after[0][0], kvs[0][0]) and torch.equal(after[1][1], kvs[2][1])

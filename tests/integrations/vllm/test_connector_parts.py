@@ -568,9 +568,11 @@ def test_cuda_copies_are_ordered_with_the_forward_pass_without_waiting_for_it(tm
     t0 = time.perf_counter()
     assert worker.load(plan2).failed_block_ids == set()
     assert time.perf_counter() - t0 < 0.05, "load waited for the GPU"
-    for i, name in enumerate(names):
-        worker.wait_layer(i)  # as vLLM's wait_for_layer_load, on the forward pass's stream
-        assert torch.equal(dst[name][[8, 9]], src[name][[2, 5]])
+    reader = torch.cuda.Stream()  # a stream that waits for nothing but wait_layer: without it, it
+    with torch.cuda.stream(reader):  # would read before the copies, which are behind the slow kernel
+        for i, name in enumerate(names):
+            worker.wait_layer(i)  # as vLLM's wait_for_layer_load, on the forward pass's stream
+            assert torch.equal(dst[name][[8, 9]], src[name][[2, 5]])
     worker.close()
 
 
@@ -597,15 +599,32 @@ def test_cuda_loads_from_scattered_slots_and_the_disk_in_one_step(tmp_path) -> N
     assert disk.flush(10)
     dst = {n: torch.zeros_like(t) for n, t in src.items()}
     worker.register(dst, layout)
-    where = {4: 11, 1: 3, 2: 4, 0: 9, 3: 1}  # source block -> destination block id
+    where = {3: 1, 1: 3, 2: 4, 4: 11, 0: 9}  # source block -> destination block id; slots 7, 2, 3, 0, 5
     loads = [BlockLoad(f"h{b}", toks(b), where[b], "host", "b", slot=slots[b]) for b in where]
     loads += [BlockLoad(f"d{b}", toks(b), dest, "disk", "b") for b, dest in ((6, 6), (5, 2))]
-    assert worker.load(StepPlan(loads=loads)).failed_block_ids == set()
+    for max_runs in (8, 0):  # runs copied one by one; gathered on the CPU first (more runs than MAX_RUNS)
+        for t in dst.values():
+            t.zero_()
+        worker.MAX_RUNS = max_runs
+        assert worker.load(StepPlan(loads=loads)).failed_block_ids == set()
+        worker.wait_loads()
+        written = set()
+        for name in src:
+            for b, dest in list(where.items()) + [(6, 6), (5, 2)]:
+                assert torch.equal(dst[name][dest], src[name][b]), (max_runs, name, b, dest)
+                written.add(dest)
+            assert not dst[name][[j for j in range(12) if j not in written]].any()
+    # saves into scattered slots, gathered and scattered on the CPU, come back exactly
+    worker.MAX_RUNS = 0
+    back = {5: 6, 2: 9, 7: 3}  # slot -> block id to save from dst (which now holds src's blocks)
+    worker.save(StepPlan(saves=[BlockSave(f"x{slot}", "", f"y{slot}", toks(slot), b, True, False, 1.0, "c", slot=slot)
+                                for slot, b in back.items()]))
+    fresh = {n: torch.zeros_like(t) for n, t in src.items()}
+    worker.register(fresh, layout)
+    worker.MAX_RUNS = 8
+    assert worker.load(StepPlan(loads=[BlockLoad(f"x{slot}", toks(slot), b, "host", "d", slot=slot)
+                                       for slot, b in back.items()])).failed_block_ids == set()
     worker.wait_loads()
-    written = set()
     for name in src:
-        for b, dest in list(where.items()) + [(6, 6), (5, 2)]:
-            assert torch.equal(dst[name][dest], src[name][b]), (name, b, dest)
-            written.add(dest)
-        assert not dst[name][[j for j in range(12) if j not in written]].any()
+        assert torch.equal(fresh[name][[6, 9, 3]], src[name][[6, 0, 1]])  # dst held them there
     worker.close()
