@@ -90,8 +90,6 @@ class RemoteStore:
         InvalidRequestError: a URL the Redis client does not accept, or the ``redis`` package is missing.
     """
 
-    MGET_KEYS = 16  # entries per MGET of :meth:`get_many` (16 blocks of Llama-3-8B at block size 16: 32 MiB)
-
     def __init__(self, url: str, fingerprint: str, layout: tuple[int, int, int], dtype: torch.dtype, *,
                  prefix: str = "ragcache", timeout: float = 0.5, backoff: float = 5.0,
                  max_pending_bytes: int = 256 * MiB) -> None:
@@ -150,34 +148,6 @@ class RemoteStore:
             return None
         finally:
             self.stats.read_s += time.perf_counter() - t0
-        return self._entry(pkey, tokens, data)
-
-    def get_many(self, items: Sequence[tuple[str, tuple[int, ...]]]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-        """:meth:`get` of each ``(path key, tokens)``, in one round trip to Redis instead of one per
-        entry (a pipeline of ``MGET`` s of at most :attr:`MGET_KEYS` keys each, so that no single
-        reply grows with the step); same results, in the same order."""
-        if not items:
-            return []
-        if not self._usable():
-            self.stats.misses += len(items)
-            return [None] * len(items)
-        t0 = time.perf_counter()
-        try:
-            names = [self.name(pkey) for pkey, _ in items]
-            pipe = self._redis.pipeline(transaction=False)
-            for i in range(0, len(names), self.MGET_KEYS):
-                pipe.mget(names[i:i + self.MGET_KEYS])
-            datas = [data for reply in pipe.execute() for data in reply]
-        except self._errors as exc:
-            self._failed("get", exc)
-            self.stats.misses += len(items)
-            return [None] * len(items)
-        finally:
-            self.stats.read_s += time.perf_counter() - t0
-        return [self._entry(pkey, tokens, data) for (pkey, tokens), data in zip(items, datas)]
-
-    def _entry(self, pkey: str, tokens: tuple[int, ...], data: bytes | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The ``(k, v)`` of entry ``pkey``'s bytes ``data`` (None: absent), checked; a bad entry is deleted."""
         if data is None:
             self.stats.misses += 1
             return None

@@ -104,31 +104,3 @@ def test_a_bad_url_is_a_clear_error_and_serve_settings_carry_the_url() -> None:
     assert settings.engine_config().remote_url == "redis://10.0.0.5:6379/1"
     assert load_settings(None).engine_config().remote_url is None
 
-
-def test_get_many_is_one_round_trip_with_the_checks_of_get(redis_server) -> None:
-    s = store(redis_server.url)
-    entries = {f"p{i}": kv(seed=i) for i in range(4)}
-    for pkey, (k, v) in entries.items():
-        s.put(pkey, "", pkey, k, v, (1, 2, 3, 4, 5))
-    s.flush(10)
-    r = redis.Redis.from_url(redis_server.url)
-    r.set(s.name("p2"), r.get(s.name("p2"))[:-9])  # truncated
-    r.config_resetstat()
-    got = s.get_many([("p0", (1, 2, 3, 4, 5)), ("p1", (1, 2, 3, 4, 6)), ("p2", (1, 2, 3, 4, 5)),
-                      ("absent", (1,)), ("p3", (1, 2, 3, 4, 5))])
-    assert [x is None for x in got] == [False, True, True, True, False]
-    assert torch.equal(got[0][0], entries["p0"][0]) and torch.equal(got[4][1], entries["p3"][1])
-    stats = r.info("commandstats")
-    assert stats["cmdstat_mget"]["calls"] == 1 and "cmdstat_get" not in stats  # one round trip
-    assert s.exists(["p1", "p2"]) == [False, False] and s.stats.corrupt == 2  # bad entries deleted
-    assert s.stats.hits == 2 and s.stats.misses == 1 and s.get_many([]) == []
-    s.MGET_KEYS = 2  # several MGETs, still one round trip
-    r.config_resetstat()
-    assert [x is None for x in s.get_many([("p0", (1, 2, 3, 4, 5)), ("p3", (1, 2, 3, 4, 5)), ("absent", (1,))])] == \
-        [False, False, True]
-    assert r.info("commandstats")["cmdstat_mget"]["calls"] == 2
-    redis_server.stop()
-    misses = s.stats.misses
-    assert s.get_many([("p0", (1, 2, 3, 4, 5)), ("p3", (1, 2, 3, 4, 5))]) == [None, None]  # Redis down: no error
-    assert s.stats.misses == misses + 2 and s.stats.errors == 1
-    s.close(timeout=1)
