@@ -18,14 +18,15 @@ and byte for byte along that dimension. On disk and in Redis a block is stored i
 On a CPU the copies are memcpy's on the calling thread. On a GPU they run on a CUDA stream of the
 connector's own, layer by layer, so that they overlap the forward pass (RAGCache §5.2's pipelining
 of KV transfer with computation; Cache-Craft eq. 16's loading schedule): :meth:`load` queues, per
-layer, copies straight from the pinned host arena (one per run of consecutive slots) into a device
-buffer and a scatter into vLLM's block ids, each layer's followed by an event; vLLM's
-``wait_for_layer_load`` (:meth:`wait_layer`) makes the forward pass's stream wait for that layer's
-event only, so layer ``i`` computes while layer ``i + 1`` is copied, and the CPU neither gathers
-blocks nor waits. Saves likewise: :meth:`save_layer` queues a gather of the layer's completed
-blocks and their copies into the pinned arena slots behind the kernels that wrote them (no
-synchronisation per layer), and :meth:`save` waits for them once, after the forward pass, before
-handing slots to the writers.
+layer, copies straight from the pinned host arena (one per run of consecutive slots; slots
+scattered over more than :attr:`ConnectorWorker.MAX_RUNS` runs are gathered on the CPU into pinned
+memory first) into a device buffer and a scatter into vLLM's block ids, each layer's followed by
+an event; vLLM's ``wait_for_layer_load`` (:meth:`wait_layer`) makes the forward pass's stream wait
+for that layer's event only, so layer ``i`` computes while layer ``i + 1`` is copied, and the CPU
+does not wait for the GPU. Saves likewise: :meth:`save_layer` queues a gather of the layer's
+completed blocks and their copies into the pinned arena slots behind the kernels that wrote them
+(no synchronisation per layer), and :meth:`save` waits for them once, after the forward pass,
+before handing slots to the writers.
 
 A block that is missing, fails its checksum, or whose recorded token ids differ from the request's
 is not written; its vLLM block id is reported, and vLLM recomputes it (the connector sets
