@@ -36,7 +36,6 @@ sys.path.insert(0, str(HERE))
 from forward_vs_vllm import machine  # noqa: E402
 
 from ragcache_backend.model.kernels import native  # noqa: E402
-from ragcache_backend.model.kernels.native import BUILD_FLAGS  # noqa: E402
 
 SOURCE = "ragcache_backend/model/kernels/csrc/kernels_f32.c"
 HEADERS = tuple(f"ragcache_backend/model/kernels/csrc/{h.name}" for h in native.HEADERS)  # headers the kernels include
@@ -62,7 +61,7 @@ def build(rev: str | None, out: Path) -> ctypes.CDLL:
         if text is not None:
             (folder / Path(path).name).write_text(text)
     src = folder / Path(SOURCE).name
-    subprocess.run(["cc", *BUILD_FLAGS, "-o", str(out), str(src)], check=True)
+    subprocess.run(["cc", *native.BUILD_FLAGS, "-o", str(out), str(src)], check=True)
     lib = ctypes.CDLL(str(out))
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     fn = lib.rc32_paged_attention

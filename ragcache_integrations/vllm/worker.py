@@ -270,11 +270,10 @@ class ConnectorWorker:
                     torch.index_select(self._arena[i], 0, where, out=host[i, :n_host])
             if blocks:
                 torch.stack(blocks, dim=1, out=host[:, n_host:])
-        index = torch.tensor(slot_ids + ids, dtype=torch.long).pin_memory()
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(first.device))  # after the kernels already queued
         with torch.cuda.stream(stream):
-            index = index.to(first.device, non_blocking=True)
+            index = _device_ids(slot_ids + ids, first.device)
             staging = torch.empty((len(index), *first.shape[1:]), dtype=first.dtype, device=first.device)
             at_host = 0 if gather else len(slots)  # where host's blocks go in staging
             for i, layer in enumerate(self._layers):  # one buffer: the stream orders its reuse by layer
@@ -421,8 +420,7 @@ class ConnectorWorker:
         stream.wait_stream(torch.cuda.current_stream(layer.device))
         with torch.cuda.stream(stream):
             if copies.device_ids is None:  # the plan's first layer
-                copies.device_ids = torch.tensor(copies.block_ids, dtype=torch.long).pin_memory().to(
-                    layer.device, non_blocking=True)
+                copies.device_ids = _device_ids(copies.block_ids, layer.device)
                 copies.runs = _runs(copies.slots)
                 if len(copies.runs) > self.MAX_RUNS:
                     copies.gathered = torch.empty((len(self._layers), len(copies.slots), *layer.shape[1:]),
@@ -468,7 +466,7 @@ class ConnectorWorker:
         if self._stream is not None:  # CUDA: queued on the connector's stream, one wait for all layers
             self._stream.wait_stream(torch.cuda.current_stream(first.device))
             with torch.cuda.stream(self._stream):
-                index = torch.tensor(block_ids, dtype=torch.long).pin_memory().to(first.device, non_blocking=True)
+                index = _device_ids(block_ids, first.device)
                 for i, layer in enumerate(self._layers):
                     out[i].copy_(layer.index_select(0, index), non_blocking=True)
             self._stream.synchronize()
@@ -529,6 +527,12 @@ class ConnectorWorker:
             self._held.pop(s.slot, None)
             if s.to_disk or s.to_remote:
                 self._release(s.slot)
+
+
+def _device_ids(ids: list[int], device: torch.device) -> torch.Tensor:
+    """``ids`` as an int64 tensor on ``device``, copied from pinned memory without waiting (allocated
+    on the current stream: call it inside the stream that uses it)."""
+    return torch.tensor(ids, dtype=torch.long).pin_memory().to(device, non_blocking=True)
 
 
 def _runs(slots: list[int]) -> list[tuple[int, int, int]]:

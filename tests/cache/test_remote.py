@@ -103,4 +103,3 @@ def test_a_bad_url_is_a_clear_error_and_serve_settings_carry_the_url() -> None:
     settings = load_settings(None, remote_url="redis://10.0.0.5:6379/1")
     assert settings.engine_config().remote_url == "redis://10.0.0.5:6379/1"
     assert load_settings(None).engine_config().remote_url is None
-
