@@ -521,7 +521,21 @@ def test_worker_copies_every_layout_exactly_through_host_disk_and_a_restart(tmp_
     worker2.close()
 
 
-SLOW_KERNEL = 200_000_000  # GPU cycles (~0.1 s): a forward pass still running when the connector is called
+class SlowKernels:
+    """Queues ~0.2 s of GPU work on the current stream when called (ten float32 8192^3 products,
+    ~21 ms each on an H100): a forward pass still running when the connector is called. The
+    operands are allocated and cuBLAS initialised here (its first product blocked the CPU for
+    0.11 s on an H100): nothing in the timed part may wait for the GPU but the connector."""
+
+    def __init__(self) -> None:
+        self.a = torch.ones(8192, 8192, device="cuda")
+        self.out = torch.empty_like(self.a)
+        torch.mm(self.a, self.a, out=self.out)
+        torch.cuda.synchronize()
+
+    def __call__(self) -> None:
+        for _ in range(10):
+            torch.mm(self.a, self.a, out=self.out)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams: needs a GPU (benchmarks/gpu_check.sh)")
@@ -543,10 +557,11 @@ def test_cuda_copies_are_ordered_with_the_forward_pass_without_waiting_for_it(tm
     _, plan = run_prefill(sched, "a", tokens, [2, 5, 7])
     assert worker.load(plan).failed_block_ids == set()
     written = torch.tensor([2, 5], device="cuda")  # the blocks the step completes
+    slow_kernels = SlowKernels()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for i, name in enumerate(names):  # "the forward pass": a slow kernel, then the layer writes its KV
-        torch.cuda._sleep(SLOW_KERNEL)
+        slow_kernels()
         src[name].index_fill_(0, written, float(i + 1))
         worker.save_layer(plan, name)
     queued = time.perf_counter() - t0
@@ -562,7 +577,7 @@ def test_cuda_copies_are_ordered_with_the_forward_pass_without_waiting_for_it(tm
     _, plan2 = run_prefill(sched, "b", tokens, [8, 9, 10])
     assert {ld.tier for ld in plan2.loads} == {"host"}
     stale = torch.tensor([8, 9], device="cuda")
-    torch.cuda._sleep(SLOW_KERNEL)
+    slow_kernels()
     for t in dst.values():
         t.index_fill_(0, stale, -1.0)
     t0 = time.perf_counter()
