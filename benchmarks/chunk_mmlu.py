@@ -24,7 +24,10 @@ questions and makes every one of them a chunk-reuse request:
    prompt tokens each rule computed.
 
 Rules: no recompute (RoPE fixed only), Cache-Craft's CFO at each ``--alphas`` value with the
-engine's guard (the engine's default rule is CFO alpha 1 with its guard; it is added when not among them).
+engine's guard (the engine's default rule is CFO alpha 1 with its guard; it is added when not among them),
+and the default rule with its guard's signal measured but never acted on: that signal (the K/V deviation
+of the recomputed tokens) against the first-token KL gives the guard's rank correlation with the
+quality loss over every request that reused a chunk, and how many of the worst 5% it flags.
 Printed: per rule the letter agreement (raw and debiased, each with its Wilson 95% interval), the
 ranking agreement, mean KL, computed prompt tokens / the prompt's; ``--json``: the records and the summary. Timing is not measured here
 (``chunk_eval.py`` and ``chunk_serve_vllm.py`` do).
@@ -50,7 +53,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from chunk_eval import NONE, argmax, cfo_name, kl_rows, letter_ids, letter_logits  # noqa: E402
+from chunk_eval import MEASURE, NONE, argmax, cfo_name, kl_rows, letter_ids, letter_logits, spearman  # noqa: E402
 from forward_vs_vllm import machine  # noqa: E402
 
 from ragcache_backend.bench.workload import question_pool  # noqa: E402
@@ -63,6 +66,14 @@ from ragcache_backend.model.sampling import SamplingParams  # noqa: E402
 from ragcache_backend.retrieval.docstore import build_index  # noqa: E402
 
 MiB = 1024 * 1024
+
+
+def worst5(kls: list[float]) -> float:
+    """Mean of the largest 5% of ``kls`` (at least one value; nan when empty)."""
+    if not kls:
+        return float("nan")
+    top = sorted(kls, reverse=True)[:max(1, math.ceil(0.05 * len(kls)))]
+    return statistics.mean(top)
 
 
 def wilson(agree: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -119,6 +130,8 @@ def main() -> None:
         table[cfo_name(a)] = RecomputeRule("cfo", alpha=a, guard=serving.guard)
     if serving not in table.values():
         table[f"default rule ({serving.kind}, alpha {serving.alpha:g})"] = serving
+    signal_only = cfo_name(serving.alpha, ", guard signal only")  # the guard's signal, nothing recomputed for it
+    table[signal_only] = RecomputeRule("cfo", alpha=serving.alpha, guard=MEASURE)
     letters = letter_ids(loaded.tokenizer)
     one = SamplingParams(max_tokens=1)
     rng = random.Random(args.seed + 1)
@@ -149,6 +162,7 @@ def main() -> None:
                 "letter": "ABCD"[argmax(got)], "agrees": argmax(got) == ref_letter, "letter_logits": got,
                 "kl": float(kl_rows(full.first_logits, h.first_logits)), "computed_tokens": res.computed_tokens + res.guard_tokens,
                 "chunk_hits": res.chunk_hits, "recomputed_tokens": res.recomputed_tokens, "guarded": res.guarded_chunks,
+                "deviation": res.chunk_deviation,
             }
         records.append(rec)
         none, dflt = rec["rules"][NONE], rec["rules"][next(n for n, r in table.items() if r == serving)]
@@ -176,7 +190,17 @@ def main() -> None:
                          "ranking_agreement": ranked / len(rows),
                          "mean_kl": statistics.mean(x["kl"] for x in rows),
                          "computed_share": sum(x["computed_tokens"] for x in rows) / sum(r["prompt_tokens"] for r in records),
-                         "requests_with_chunk_hits": sum(1 for x in rows if x["chunk_hits"])}
+                         "requests_with_chunk_hits": sum(1 for x in rows if x["chunk_hits"]),
+                         "worst5_kl": worst5([x["kl"] for x in rows]), "guarded_chunks": sum(x["guarded"] for x in rows)}
+    # the guard's signal (K/V deviation of the recomputed tokens, measured and not acted on) against the
+    # first-token KL, over the requests that reused a chunk (issue 24: a guard shown to track the KL)
+    pairs = [(r["rules"][signal_only]["deviation"], r["rules"][signal_only]["kl"]) for r in records
+             if r["rules"][signal_only]["chunk_hits"]]
+    top = sorted(pairs, key=lambda p: -p[1])[:max(1, math.ceil(0.05 * len(pairs)))]  # the worst 5% by KL
+    guard = {"signal_vs_kl_spearman": spearman([p[0] for p in pairs], [p[1] for p in pairs]), "requests": len(pairs),
+             "threshold": serving.guard, "worst5_requests": len(top),
+             "worst5_flagged": sum(1 for d, _ in top if serving.guard is not None and d > serving.guard),
+             "flagged": sum(1 for d, _ in pairs if serving.guard is not None and d > serving.guard)}
     spread = {x: sum(r["reference_letter"] == x for r in records) for x in "ABCD"}
     spread_cal = {x: sum(debiased(r["reference_logits"]) == j for r in records) for j, x in enumerate("ABCD")}
     print(f"\n{len(records)} MMLU questions, condition {args.condition}, {machine()['cpu']}; full prefill's letters "
@@ -187,9 +211,13 @@ def main() -> None:
         print(f"{name:44s} {s['agreement']:6.1%} {s['wilson95'][0]:6.1%}-{s['wilson95'][1]:5.1%} "
               f"{s['debiased_agreement']:8.1%} {s['debiased_wilson95'][0]:6.1%}-{s['debiased_wilson95'][1]:5.1%} "
               f"{s['ranking_agreement']:7.1%} {s['mean_kl']:8.4f} {s['computed_share']:8.2f} {s['requests_with_chunk_hits']:9d}")
+    print(f"guard signal (K/V deviation, threshold {serving.guard}) vs first-token KL over {guard['requests']} requests "
+          f"with chunk hits: Spearman {guard['signal_vs_kl_spearman']:.2f}; over the threshold in {guard['flagged']} of them, "
+          f"{guard['worst5_flagged']} of the {guard['worst5_requests']} with the largest KL")
+    print(f"worst-5% KL: " + ", ".join(f"{name} {s['worst5_kl']:.4f}" for name, s in summary.items()))
     if args.json:
         args.json.write_text(json.dumps({"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},
-                                         "default_rule": dataclasses.asdict(serving), "summary": summary,
+                                         "default_rule": dataclasses.asdict(serving), "summary": summary, "guard": guard,
                                          "reference_letters": spread, "debiased_reference_letters": spread_cal,
                                          "letter_prior": prior,
                                          "records": records}, indent=1))
