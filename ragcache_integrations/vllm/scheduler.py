@@ -174,6 +174,7 @@ class ConnectorScheduler:
         self._serial = itertools.count(1)
         self._requests: dict[str, _Tracked] = {}
         self._drops: list[str] = []
+        self._pinned: list[HostEntry] = []  # entries pinned by the plan being built (unpinned at its end)
 
     # ---- views ---------------------------------------------------------------------------------
     @property
@@ -240,10 +241,11 @@ class ConnectorScheduler:
         for s, tracked in steps:
             done = (s.num_computed + s.num_scheduled) // self.block_size
             self._plan_saves(s, tracked, min(done, len(tracked.keys), len(s.block_ids)), plan)
-        for e in self._host.values():
+        for e in self._pinned:  # not a walk over the whole host index: once per step, decodes included
             if e.pinned:
                 e.pinned = False
                 self._evictor.offer(e)
+        self._pinned.clear()
         # a block admitted and evicted again within this plan is not kept (the worker drops, then saves)
         plan.saves = [s if s.slot is None or self._slot_of(s.path_key) == s.slot else replace(s, to_host=False, slot=None)
                       for s in plan.saves]
@@ -330,6 +332,7 @@ class ConnectorScheduler:
             e = self._host.get(pkey)
             if e is not None:
                 e.pinned = True
+                self._pinned.append(e)
                 self._touch(e)
         tracked.saved_blocks = max(tracked.saved_blocks, first + n)
         tracked.load_blocks = 0
@@ -370,6 +373,7 @@ class ConnectorScheduler:
         # pinned for the rest of this plan: a block's own children admitted after it must not evict it
         e = HostEntry(pkey, parent, self.block_size, avg_cost=cost, serial=next(self._serial), slot=slot, pinned=True)
         self._host[pkey] = e
+        self._pinned.append(e)
         self._by_slot[slot] = e
         p = self._host.get(parent)
         if p is not None:
