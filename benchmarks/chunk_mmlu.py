@@ -214,7 +214,7 @@ def main() -> None:
     print(f"guard signal (K/V deviation, threshold {serving.guard}) vs first-token KL over {guard['requests']} requests "
           f"with chunk hits: Spearman {guard['signal_vs_kl_spearman']:.2f}; over the threshold in {guard['flagged']} of them, "
           f"{guard['worst5_flagged']} of the {guard['worst5_requests']} with the largest KL")
-    print(f"worst-5% KL: " + ", ".join(f"{name} {s['worst5_kl']:.4f}" for name, s in summary.items()))
+    print("worst-5% KL: " + ", ".join(f"{name} {s['worst5_kl']:.4f}" for name, s in summary.items()))
     if args.json:
         args.json.write_text(json.dumps({"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},
                                          "default_rule": dataclasses.asdict(serving), "summary": summary, "guard": guard,

@@ -1,3 +1,5 @@
+"""The host-arena copy alone, in a process of its own (2026-11-27 02:1x UTC, Zen 5): 27 blocks of 30 layers x 24 KiB
+copied into a 1,456-slot arena right after touching it, then after 240 s idle, then again (python coldmem.py 240)."""
 import numpy as np, time, sys
 L=30; row=24576; slots=1456; nb=4096
 arena=[np.zeros((slots,row),dtype=np.uint8) for _ in range(L)]
