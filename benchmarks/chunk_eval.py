@@ -138,6 +138,12 @@ def letter_logits(logits: torch.Tensor, ids: list[list[int]]) -> list[float]:
     return [max(float(logits[t]) for t in spelled) for spelled in ids]
 
 
+def worst5(items: list, key=None) -> list:
+    """The largest 5% of ``items`` (by ``key``; at least one item, none of none), largest first: the
+    tail the worst-5% figures are taken over."""
+    return sorted(items, key=key, reverse=True)[:max(1, math.ceil(0.05 * len(items)))] if items else []
+
+
 def argmax(scores: list[float]) -> int:
     """Index of the largest score (the first of equal ones)."""
     return max(range(len(scores)), key=scores.__getitem__)
@@ -372,7 +378,7 @@ def summarise(res: dict, table: dict, serving: RecomputeRule) -> dict:
             continue
         reused = sum(x["reused_chunk_tokens"] for x in rows)
         computed = sum(x["computed_tokens"] + x["guard_tokens"] for x in rows)
-        kls = sorted((x["kl"] for x in rows), reverse=True)
+        kls = [x["kl"] for x in rows]
         letters = [x["letter_agrees"] for x in rows if x["letter_agrees"] is not None]
         mean_kl = statistics.mean(kls)
         hit = [x for x in rows if x["chunk_hits"] or x["guarded"]]  # requests where this rule reused a chunk
@@ -388,7 +394,7 @@ def summarise(res: dict, table: dict, serving: RecomputeRule) -> dict:
             "recompute_share": sum(x["recomputed_tokens"] for x in rows) / reused if reused else 0.0,
             "computed_tokens_mean": computed / len(rows),
             "computed_vs_tree": computed / tree_computed if tree_computed else float("nan"),
-            "worst5_kl": statistics.mean(kls[: max(1, math.ceil(0.05 * len(kls)))]),
+            "worst5_kl": statistics.mean(worst5(kls)),
             "guarded_chunks": sum(x["guarded"] for x in rows),
         }
     sig = cfo_name(serving.alpha, ", guard signal only")

@@ -53,7 +53,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from chunk_eval import MEASURE, NONE, argmax, cfo_name, kl_rows, letter_ids, letter_logits, spearman  # noqa: E402
+from chunk_eval import MEASURE, NONE, argmax, cfo_name, kl_rows, letter_ids, letter_logits, spearman, worst5  # noqa: E402
 from forward_vs_vllm import machine  # noqa: E402
 
 from ragcache_backend.bench.workload import question_pool  # noqa: E402
@@ -66,14 +66,6 @@ from ragcache_backend.model.sampling import SamplingParams  # noqa: E402
 from ragcache_backend.retrieval.docstore import build_index  # noqa: E402
 
 MiB = 1024 * 1024
-
-
-def worst5(kls: list[float]) -> float:
-    """Mean of the largest 5% of ``kls`` (at least one value; nan when empty)."""
-    if not kls:
-        return float("nan")
-    top = sorted(kls, reverse=True)[:max(1, math.ceil(0.05 * len(kls)))]
-    return statistics.mean(top)
 
 
 def wilson(agree: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -191,12 +183,12 @@ def main() -> None:
                          "mean_kl": statistics.mean(x["kl"] for x in rows),
                          "computed_share": sum(x["computed_tokens"] for x in rows) / sum(r["prompt_tokens"] for r in records),
                          "requests_with_chunk_hits": sum(1 for x in rows if x["chunk_hits"]),
-                         "worst5_kl": worst5([x["kl"] for x in rows]), "guarded_chunks": sum(x["guarded"] for x in rows)}
+                         "worst5_kl": statistics.mean(worst5([x["kl"] for x in rows])), "guarded_chunks": sum(x["guarded"] for x in rows)}
     # the guard's signal (K/V deviation of the recomputed tokens, measured and not acted on) against the
     # first-token KL, over the requests that reused a chunk (issue 24: a guard shown to track the KL)
     pairs = [(r["rules"][signal_only]["deviation"], r["rules"][signal_only]["kl"]) for r in records
              if r["rules"][signal_only]["chunk_hits"]]
-    top = sorted(pairs, key=lambda p: -p[1])[:max(1, math.ceil(0.05 * len(pairs)))]  # the worst 5% by KL
+    top = worst5(pairs, key=lambda p: p[1])  # the worst 5% by KL
     guard = {"signal_vs_kl_spearman": spearman([p[0] for p in pairs], [p[1] for p in pairs]), "requests": len(pairs),
              "threshold": serving.guard, "worst5_requests": len(top),
              "worst5_flagged": sum(1 for d, _ in top if serving.guard is not None and d > serving.guard),
