@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import shutil
 import statistics
@@ -86,10 +85,7 @@ def main() -> None:
         if redis is not None and config.pop("remote", True):
             config["remote_url"] = redis.url.rsplit("/", 1)[0] + ("/1" if name == "A" else "/2")
         config.pop("remote", None)
-        extra = ["--kv-transfer-config", json.dumps({
-            "kv_connector": "RAGCacheConnector", "kv_connector_module_path": "ragcache_integrations.vllm",
-            "kv_role": "kv_both", "kv_connector_extra_config": config})]
-        return vc.start_vllm(args, out, extra=extra, env={"RAGCACHE_HOME": str(out / f"home-{name}"), "PYTHONPATH": root},
+        return vc.start_vllm(args, out, extra=vc.connector_flags(config), env={"RAGCACHE_HOME": str(out / f"home-{name}"), "PYTHONPATH": root},
                              log_name=f"connector-{name}.log")
 
     servers = {"vllm": vc.start("vllm", args, out, out / "kv")}
@@ -104,21 +100,19 @@ def main() -> None:
         ttft: dict[str, list[float]] = {k: [] for k in servers}
         names = list(servers)
         for i in range(a.requests):
-            messages = json.loads(json.dumps(rows[i % len(rows)]["prompt"]))
-            messages[0]["content"] = f"Session {rng.getrandbits(64):016x}.\n" + messages[0]["content"]
+            messages = vc.miss_prompt(rows, i, rng)
             r = i % len(names)
             for name in names[r:] + names[:r]:
                 time.sleep(a.gap)
                 ttft[name].append(vc.stream_ttft_ms(servers[name].base, messages, args.max_tokens))
         result: dict = {"vllm_mean_ttft_ms": statistics.fmean(ttft["vllm"])}
         for name in configs:
-            logs = [math.log(b / v) for v, b in zip(ttft["vllm"], ttft[name])]
-            mean, half = statistics.fmean(logs), 1.96 * statistics.stdev(logs) / math.sqrt(len(logs))
+            ratio, ci95 = vc.paired_ratio(ttft["vllm"], ttft[name])
             after = vc.tier_counters(servers[name].base)
             delta = {k: after[k] - before[name].get(k, 0.0) for k in after if not k.endswith("_created")}
             saved = delta.get("ragcache_saved_host_total", 0.0)
             result[name] = {"config": configs[name], "root": a.root_b if name == "B" and a.root_b else str(vc.ROOT),
-                            "paired_ratio": math.exp(mean), "paired_ratio_ci95": [math.exp(mean - half), math.exp(mean + half)],
+                            "paired_ratio": ratio, "paired_ratio_ci95": ci95,
                             "mean_ttft_ms": statistics.fmean(ttft[name]),
                             "save_us_per_block": delta.get("ragcache_save_us_total", 0.0) / saved if saved else None,
                             "save_ms_per_request": delta.get("ragcache_save_us_total", 0.0) / 1000 / a.requests,

@@ -103,6 +103,14 @@ class Redis:
             self.proc.wait(30)
 
 
+def connector_flags(config: dict) -> list[str]:
+    """``vllm serve``'s flags that load ``RAGCacheConnector`` with ``config`` as its
+    ``kv_connector_extra_config``."""
+    return ["--kv-transfer-config", json.dumps({
+        "kv_connector": "RAGCacheConnector", "kv_connector_module_path": "ragcache_integrations.vllm",
+        "kv_role": "kv_both", "kv_connector_extra_config": config})]
+
+
 def start(system: str, args, out_dir: Path, kv_dir: Path, *, remote_url: str | None = None,
           log: str | None = None) -> Server:
     """``vllm serve`` as ``system`` runs it (block size 32, ``args.kv_bytes`` of KV each)."""
@@ -112,9 +120,7 @@ def start(system: str, args, out_dir: Path, kv_dir: Path, *, remote_url: str | N
         config = {"host_mib": args.host_mib, "cache_dir": str(kv_dir), "disk_budget_mib": 4096}
         if remote_url:
             config["remote_url"] = remote_url
-        extra = ["--kv-transfer-config", json.dumps({
-            "kv_connector": "RAGCacheConnector", "kv_connector_module_path": "ragcache_integrations.vllm",
-            "kv_role": "kv_both", "kv_connector_extra_config": config})]
+        extra = connector_flags(config)
         env["PYTHONPATH"] = str(ROOT)
     elif system == "vllm+offloading":
         extra = ["--kv-offloading-size", str(args.host_mib / 1024)]
@@ -168,24 +174,37 @@ def stream_ttft_ms(base: str, messages: list[dict], max_tokens: int) -> float:
     return res["ttft_s"] * 1000
 
 
+def miss_prompt(rows: list[dict], i: int, rng: random.Random) -> list[dict]:
+    """Request ``i`` of the miss pass: the trace's prompt ``i`` (cycling) made unique from its first
+    token by a random session line (a copy; ``rows`` unchanged)."""
+    messages = json.loads(json.dumps(rows[i % len(rows)]["prompt"]))
+    messages[0]["content"] = f"Session {rng.getrandbits(64):016x}.\n" + messages[0]["content"]
+    return messages
+
+
+def paired_ratio(base: list[float], other: list[float]) -> tuple[float, list[float]]:
+    """The geometric mean of ``other[i] / base[i]`` and its 95% confidence interval (normal, over the
+    logs; at least two pairs)."""
+    logs = [math.log(b / a) for a, b in zip(base, other)]
+    mean, half = statistics.fmean(logs), 1.96 * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean), [math.exp(mean - half), math.exp(mean + half)]
+
+
 def miss_pass(alone: Server, ours: Server, rows: list[dict], args) -> dict:
     """Misses sent to both in turn (see the module docstring): per-system TTFTs and the paired ratio."""
     rng = random.Random(args.seed + 1)
     ttft: dict[str, list[float]] = {"vllm": [], "vllm+ragcache": []}
     for i in range(args.miss_requests):
-        messages = json.loads(json.dumps(rows[i % len(rows)]["prompt"]))
-        messages[0]["content"] = f"Session {rng.getrandbits(64):016x}.\n" + messages[0]["content"]
+        messages = miss_prompt(rows, i, rng)
         order = [("vllm", alone), ("vllm+ragcache", ours)]
         for name, server in order if i % 2 == 0 else order[::-1]:
             time.sleep(args.miss_gap)
             ttft[name].append(stream_ttft_ms(server.base, messages, args.max_tokens))
-    logs = [math.log(b / a) for a, b in zip(ttft["vllm"], ttft["vllm+ragcache"])]
-    mean, half = statistics.fmean(logs), 1.96 * statistics.stdev(logs) / math.sqrt(len(logs))
-    return {"requests": len(logs), "gap_s": args.miss_gap,
+    ratio, ci95 = paired_ratio(ttft["vllm"], ttft["vllm+ragcache"])
+    return {"requests": len(ttft["vllm"]), "gap_s": args.miss_gap,
             "mean_ttft_ms": {k: statistics.fmean(v) for k, v in ttft.items()},
             "median_ttft_ms": {k: statistics.median(v) for k, v in ttft.items()},
-            "paired_ratio": math.exp(mean), "paired_ratio_ci95": [math.exp(mean - half), math.exp(mean + half)],
-            "ttft_ms": ttft}
+            "paired_ratio": ratio, "paired_ratio_ci95": ci95, "ttft_ms": ttft}
 
 
 def short(row: dict) -> str:
