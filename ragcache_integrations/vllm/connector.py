@@ -15,10 +15,12 @@ The class adapts vLLM's objects to plain data and delegates: the scheduler side
 decides, the worker side (:class:`~ragcache_integrations.vllm.worker.ConnectorWorker`, in each
 worker process) copies blocks. On a CPU, loads are written before the step's forward pass; on a
 GPU they are queued on the connector's CUDA stream layer by layer and each layer's attention waits
-for its own layer only (``wait_for_layer_load``). Saves are copied into the host tier's
-preallocated slots layer by layer as the forward pass writes them (on a GPU queued on the same
-stream, waited for once after the forward pass), and encoded and written to disk and Redis by
-background threads.
+for its own layer only (``wait_for_layer_load``). Saves go into the host tier's preallocated
+slots: on a GPU queued on the same stream layer by layer as the forward pass writes them, waited
+for once after it; on a CPU copied after the forward pass by a thread of the worker's own while
+vLLM samples and sends the step's tokens, and waited for when the next step's plan is bound
+(``bind_connector_metadata``), before that step writes any block. The disk and Redis tiers encode
+and write them on background threads.
 """
 
 from __future__ import annotations
@@ -270,6 +272,15 @@ class RAGCacheConnector(KVConnectorBase_V1):
         log.info("ragcache connector (worker): %d layers of %s %s on %s (%s layout); disk tier %s", len(kv_caches),
                  tuple(first.shape), first.dtype, first.device, layout.kind, disk.directory if disk else "off")
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # vLLM binds each step's plan before the step's forward pass (start_load_kv comes after the
+        # forward pass in steps without synchronous loads): the last step's saves complete here,
+        # before this step writes any KV block, and the forward pass is timed from here
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.settle()
+        self._forward_t0 = time.perf_counter()
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._worker is None or not self.has_connector_metadata():
             return
@@ -278,7 +289,8 @@ class RAGCacheConnector(KVConnectorBase_V1):
         result = self._worker.load(meta.plan)
         self._failed |= result.failed_block_ids
         self._report.failed_keys |= result.failed_keys
-        self._forward_t0 = time.perf_counter()  # the forward pass starts now: timed for PGDSF's cost
+        if meta.plan.loads:  # a step with loads is one with synchronous loads: its forward pass starts now
+            self._forward_t0 = time.perf_counter()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # CPU: the loads were written by start_load_kv; GPU: this layer's copies, queued on the

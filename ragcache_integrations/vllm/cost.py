@@ -23,12 +23,15 @@ cost keeps blocks priced before and after the fit comparable within a tier's PGD
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
 __all__ = ["BlockCostModel", "StepSample", "attended_pairs"]
+
+log = logging.getLogger(__name__)
 
 PRIOR_SLOPE = 1.0 / 2048
 """Relative cost added per token of context before a block, until a fit exists."""
@@ -99,4 +102,8 @@ class BlockCostModel:
         solution, _, rank, _ = np.linalg.lstsq(x / scale, y, rcond=None)
         c0, a, b = (float(v) for v in solution / scale)
         if rank == 3 and a > 0 and b >= 0 and np.isfinite([c0, a, b]).all():  # steps alike tell nothing
+            if self.coefficients is None:
+                log.info("ragcache connector: block cost fitted over %d steps: T = %.2f ms + %.1f us/token + "
+                         "%.3f ns/attended pair (a block at position 2048 costs %.2fx one at 0)", len(self._samples),
+                         c0 * 1e3, a * 1e6, b * 1e9, (a + b * (2048 + (self.block_size + 1) / 2)) / (a + b * (self.block_size + 1) / 2))
             self.coefficients = (c0, a, b)

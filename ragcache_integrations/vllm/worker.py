@@ -15,7 +15,14 @@ FlashAttention, FlashInfer, Triton, FlexAttention and ROCm's split layout); bloc
 and byte for byte along that dimension. On disk and in Redis a block is stored in the tiers'
 ``(k, v)`` format ``[layers, block_size, kv_heads, head_size]``.
 
-On a CPU the copies are memcpy's on the calling thread. On a GPU they run on a CUDA stream of the
+On a CPU the copies are memcpy's (numpy, which lets go of the GIL). Loads run on the calling
+thread before the forward pass. Host saves run *after* it, on a thread of the worker's own
+(:meth:`ConnectorWorker.save` hands them over and returns): vLLM samples the step's tokens and
+sends them out meanwhile, so a miss's first token does not wait for its blocks' copies into the
+host arena (3-10 ms a request for SmolLM2's ~27 blocks inside vLLM's worker). The copies only
+read blocks the step completed, which nothing writes until a later forward pass; the connector
+waits for them (:meth:`ConnectorWorker.settle`) when vLLM binds the next step's plan, before that
+step's loads and forward pass. On a GPU they run on a CUDA stream of the
 connector's own, layer by layer, so that they overlap the forward pass (RAGCache §5.2's pipelining
 of KV transfer with computation; Cache-Craft eq. 16's loading schedule): :meth:`load` queues, per
 layer, copies straight from the pinned host arena (one per run of consecutive slots; slots
@@ -37,9 +44,11 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -135,6 +144,8 @@ class ConnectorWorker:
         self._copies: _HostCopies | None = None  # the current plan's host saves, layer by layer
         self._stream: torch.cuda.Stream | None = None  # CUDA: the connector's copy stream
         self._load_events: list[torch.cuda.Event | None] = []  # CUDA: per layer, its queued load copies
+        self._saver: ThreadPoolExecutor | None = None  # CPU: the thread that completes a step's saves
+        self._pending: Future | None = None  # CPU: the last step's saves, being completed by _saver
         self._lock = threading.Lock()  # guards the two below (writer threads call _release)
         self._reading: dict[int, int] = {}  # slot -> writers still reading it
         self._written: set[int] = set()  # slots the writers are done with
@@ -151,6 +162,7 @@ class ConnectorWorker:
             KVLayoutError: a shape no layout has (see :meth:`BlockLayout.detect`), or the layers
                 differ in shape, dtype or device.
         """
+        self.settle()
         layers = list(kv_caches.values())
         if not layers:
             raise KVLayoutError("vLLM registered no KV tensors")
@@ -179,14 +191,32 @@ class ConnectorWorker:
         cuda = layers[0].device.type == "cuda"
         self._stream = torch.cuda.Stream(layers[0].device) if cuda else None
         self._load_events = [None] * len(layers)
+        if not cuda and self._saver is None:
+            self._saver = ThreadPoolExecutor(1, thread_name_prefix="ragcache-save", initializer=_any_core)
 
     @property
     def host_keys(self) -> set[str]:
+        """Path keys of the blocks the host arena holds (after the last step's saves)."""
+        self.settle()
         return {pkey for pkey, _ in self._held.values()}
 
     @property
     def host_bytes(self) -> int:
+        """Bytes of the blocks the host arena holds (after the last step's saves)."""
+        self.settle()
         return len(self._held) * (self._arena[:, 0].nbytes if self._arena is not None and self.host_slots else 0)
+
+    def settle(self) -> None:
+        """Wait until the last step's saves are complete (CPU: copied into their host slots by the
+        saver thread and queued for the disk and remote tiers; elsewhere they are when
+        :meth:`save` returns). Call it before the next forward pass writes any KV block.
+
+        Raises:
+            Exception: whatever the saves raised (a bug: a copy of validated blocks does not fail).
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
 
     def take_written(self) -> set[int]:
         """Host slots the disk and remote writers no longer read, since the last call."""
@@ -203,6 +233,7 @@ class ConnectorWorker:
         layer ``i`` is written for the forward pass's stream once it has called :meth:`wait_layer`
         ``(i)`` (vLLM's ``wait_for_layer_load``); elsewhere the blocks are written when it returns.
         """
+        self.settle()  # the connector did already (bind); a direct caller may not have
         self._load_events = [None] * len(self._layers)  # the last plan's loads were waited for by its save()
         dropped = set(plan.host_drops)
         if dropped:
@@ -334,7 +365,7 @@ class ConnectorWorker:
         """Copy one layer's part of the plan's host saves into their slots, right after the layer
         wrote its KV (vLLM's ``save_kv_layer``); :meth:`save` copies the layers this missed."""
         i = self._layer_index.get(layer_name)
-        if i is None or not self.host_slots:
+        if i is None or not self.host_slots or self._saver is not None:  # CPU: save() hands all layers to the saver
             return
         self.wait_layer(i)  # the layer's loads before its saves (vLLM waited for it already)
         copies = self._host_copies(plan)
@@ -348,7 +379,11 @@ class ConnectorWorker:
         """Finish the step's saves (after the forward pass): copy the host saves' remaining layers
         into their slots, then queue blocks for the disk and remote tiers (read by their writer
         threads from the slots, or from a copy for blocks the host tier did not admit). Nothing of
-        a request whose load failed in this step (its forward pass read unwritten KV) is saved."""
+        a request whose load failed in this step (its forward pass read unwritten KV) is saved.
+
+        On a CPU this hands the work to the saver thread and returns; :meth:`settle` waits for it.
+        """
+        self.settle()
         self.wait_loads()  # a layer whose load the forward pass never waited for: later steps must see it
         saves = [s for s in plan.saves if s.req_id not in self._failed_reqs]
         skipped = [s for s in plan.saves if s.req_id in self._failed_reqs]
@@ -358,13 +393,20 @@ class ConnectorWorker:
         if not saves:
             self._copies = None
             return
-        t0 = time.perf_counter()
         copies = self._host_copies(plan)
+        self._copies = None
+        if self._saver is not None:
+            self._pending = self._saver.submit(self._complete_saves, copies, saves)
+        else:
+            self._complete_saves(copies, saves)
+
+    def _complete_saves(self, copies: _HostCopies, saves: list[BlockSave]) -> None:
+        """The rest of :meth:`save` (on the saver thread on a CPU): host copies, then writer queues."""
+        t0 = time.perf_counter()
         for i in range(len(self._layers)):
             if i not in copies.layers_done:
                 self._copy_to_slots(i, copies)
         self._finish_host_copies(copies)
-        self._copies = None
         host = copies.saves
         in_slot = {s.path_key for s in host}
         for s in saves:
@@ -386,7 +428,12 @@ class ConnectorWorker:
         self.counters.save_us += int((time.perf_counter() - t0) * 1e6)
 
     def close(self) -> None:
-        """Finish queued disk and remote writes (bounded wait) and stop the writers."""
+        """Complete the last step's saves, finish queued disk and remote writes (bounded wait) and
+        stop the writers and the saver thread."""
+        self.settle()
+        if self._saver is not None:
+            self._saver.shutdown()
+            self._saver = None
         if self.disk is not None:
             self.disk.close()
         if self.remote is not None:
@@ -527,6 +574,18 @@ class ConnectorWorker:
             self._held.pop(s.slot, None)
             if s.to_disk or s.to_remote:
                 self._release(s.slot)
+
+
+def _any_core() -> None:
+    """The saver thread's initializer: let it run on every core the machine has. A thread inherits
+    its creator's CPU mask, and vLLM's CPU worker binds its main thread to one core (that of
+    OpenMP thread 0); the saver should take an idle core instead of queueing behind that thread."""
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except (AttributeError, OSError):  # not Linux, or a cpuset narrower than the machine: keep the mask
+        pass
+    log.debug("ragcache connector: host saves run on CPUs %s", sorted(os.sched_getaffinity(0))
+              if hasattr(os, "sched_getaffinity") else "any")
 
 
 def _device_ids(ids: list[int], device: torch.device) -> torch.Tensor:

@@ -180,6 +180,7 @@ def test_worker_saves_and_loads_blocks_exactly_through_host_and_disk(tmp_path) -
     assert worker.load(plan).failed_block_ids == set()
     worker.save_layer(plan, list(src)[1])  # as vLLM's save_kv_layer, for some layers; save() does the rest
     worker.save(plan)
+    worker.settle()  # as vLLM's next step does (bind): the saves are complete
     assert disk.flush(10)
     # the writers encoded the blocks from their host slots and are done with them: reported once
     written = worker.take_written()
@@ -217,6 +218,7 @@ def test_worker_refuses_foreign_tokens_damaged_files_and_missing_blocks(tmp_path
     tokens = list(range(9))
     _, plan = run_prefill(sched, "a", tokens, [0, 1, 2])
     worker.save(plan)
+    worker.settle()  # as vLLM's next step does (bind): the saves are complete
     disk.flush(10)
     # damage the second block's file: only the first block loads, the second is reported
     path = entry_file(folder, plan.saves[1].path_key)
@@ -299,6 +301,7 @@ def test_a_request_whose_load_failed_saves_nothing_of_that_step(tmp_path) -> Non
     tokens = list(range(9))
     _, plan = run_prefill(sched, "a", tokens, [0, 1, 2])
     worker.save(plan)
+    worker.settle()  # as vLLM's next step does (bind): the saves are complete
     # b loads block 0 from the host tier, but the worker lost it; c, in the same step, is unrelated
     worker.load(StepPlan(host_drops=[plan.saves[0].path_key]))
     vb, vc = view("b", tokens + [50, 51, 52, 53]), view("c", list(range(100, 109)))
@@ -311,6 +314,7 @@ def test_a_request_whose_load_failed_saves_nothing_of_that_step(tmp_path) -> Non
     result = worker.load(step)
     assert result.failed_block_ids == {3}
     worker.save(step)
+    worker.settle()  # as vLLM's next step does (bind): the saves are complete
     assert worker.counters.skipped_saves == sum(s.req_id == "b" for s in step.saves) >= 1
     assert {s.path_key for s in step.saves if s.req_id == "c"} <= worker.host_keys
     assert not {s.path_key for s in step.saves if s.req_id == "b"} & worker.host_keys
@@ -332,6 +336,7 @@ def test_two_replicas_share_blocks_through_a_real_redis(redis_server) -> None:
     _, plan = run_prefill(sched_a, "a", tokens, [2, 5, 7, 1])
     assert [s.to_remote for s in plan.saves] == [True, True, True]
     worker_a.save(plan)
+    worker_a.settle()  # as vLLM's next step does (bind): the saves are complete
     assert remote_a.flush(10)
     _, again = run_prefill(sched_a, "a2", tokens + [1, 2, 3, 4], [3, 4, 6, 8, 9])  # already there: not sent again
     assert not any(s.to_remote for s in again.saves if s.path_key in {p.path_key for p in plan.saves})
@@ -446,6 +451,61 @@ def test_more_than_one_vllm_worker_is_refused() -> None:
         check_world_size(1, 2)
 
 
+def test_cpu_saves_run_on_the_saver_thread_and_complete_before_the_next_step(tmp_path, monkeypatch) -> None:
+    import threading
+
+    src, disk, sched, worker = disk_worker(tmp_path, seed=5, slots=64)
+    copied_on: list[str] = []
+    copy = worker._copy_blocks
+
+    def spy(*args, **kwargs):
+        copied_on.append(threading.current_thread().name)
+        return copy(*args, **kwargs)
+
+    monkeypatch.setattr(worker, "_copy_blocks", spy)
+    tokens = list(range(13))
+    _, plan = run_prefill(sched, "a", tokens, [2, 5, 7, 1])
+    worker.load(plan)
+    for name in src:  # vLLM's save_kv_layer: nothing copied on the forward pass's thread
+        worker.save_layer(plan, name)
+    assert copied_on == []
+    worker.save(plan)  # returns at once; the saver copies every layer
+    worker.settle()
+    assert len(copied_on) == LAYERS and all(n.startswith("ragcache-save") for n in copied_on)
+    assert worker.host_keys == {s.path_key for s in plan.saves}
+    # the next step loads them back (load settles first when the caller did not)
+    _, plan2 = run_prefill(sched, "b", tokens, [9, 10, 11, 12])
+    worker.save(StepPlan())
+    assert {ld.tier for ld in plan2.loads} == {"host"} and worker.load(plan2).failed_block_ids == set()
+    for name in src:
+        assert torch.equal(src[name][[9, 10, 11]], src[name][[2, 5, 7]])
+    # close() completes the last step's saves before it stops the writers: they reach the disk
+    _, plan3 = run_prefill(sched, "c", list(range(50, 59)), [13, 14, 15])
+    worker.load(plan3)
+    worker.save(plan3)
+    worker.close()
+    assert all(disk.lookup(s.path_key) is not None for s in plan3.saves)
+
+
+def test_a_failure_on_the_saver_thread_is_raised_to_the_next_step(monkeypatch) -> None:
+    src = kv_tensors(seed=6)
+    sched = ConnectorScheduler(BS, BLOCK_BYTES, 64 * BLOCK_BYTES, None)
+    worker = ConnectorWorker(BS, None, host_slots=sched.num_slots)
+    worker.register(src)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(worker, "_copy_blocks", broken)
+    _, plan = run_prefill(sched, "a", list(range(9)), [0, 1, 2])
+    worker.save(plan)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        worker.settle()
+    worker.settle()  # raised once, then nothing pending
+    assert worker.host_keys == set()
+    worker.close()
+
+
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
@@ -489,6 +549,7 @@ def test_worker_copies_every_layout_exactly_through_host_disk_and_a_restart(tmp_
     assert worker.load(plan).failed_block_ids == set()
     worker.save_layer(plan, list(src)[0])
     worker.save(plan)
+    worker.settle()  # as vLLM's next step does (bind): the saves are complete
     assert disk.flush(10)
     sched.written(worker.take_written())
     if gpu_kind:  # the tiers' k and v are the K and V vLLM's attention reads
@@ -566,6 +627,7 @@ def test_cuda_copies_are_ordered_with_the_forward_pass_without_waiting_for_it(tm
         worker.save_layer(plan, name)
     queued = time.perf_counter() - t0
     worker.save(plan)
+    worker.settle()  # as vLLM's next step does (bind): the saves are complete
     assert queued < 0.05, f"save_layer waited for the GPU ({queued:.3f} s)"
     assert disk.flush(10)
     sched.written(worker.take_written())
@@ -611,6 +673,7 @@ def test_cuda_loads_from_scattered_slots_and_the_disk_in_one_step(tmp_path) -> N
     saves = [BlockSave(f"h{b}", "", f"s{b}", toks(b), b, True, False, 1.0, "a", slot=slot) for b, slot in slots.items()]
     saves += [BlockSave(f"d{b}", "", f"t{b}", toks(b), b, False, True, 1.0, "a") for b in (5, 6)]
     worker.save(StepPlan(saves=saves))
+    worker.settle()  # as vLLM's next step does (bind): the saves are complete
     assert disk.flush(10)
     dst = {n: torch.zeros_like(t) for n, t in src.items()}
     worker.register(dst, layout)
