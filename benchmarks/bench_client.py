@@ -49,12 +49,13 @@ WARMUP = [
 class Server:
     """One server process in its own process group (its children, e.g. vLLM's engine core, go with it)."""
 
-    def __init__(self, name: str, cmd: list[str], env: dict, log_path: Path, ready_timeout: float) -> None:
+    def __init__(self, name: str, cmd: list[str], env: dict, log_path: Path, ready_timeout: float,
+                 cwd: Path = ROOT) -> None:
         self.name, self.cmd, self.log_path = name, cmd, log_path
         self.port = int(cmd[cmd.index("--port") + 1])
         self.base = f"http://127.0.0.1:{self.port}"
         started = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, stdout=open(log_path, "a"), stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+        self.proc = subprocess.Popen(cmd, stdout=open(log_path, "a"), stderr=subprocess.STDOUT, cwd=cwd, env=env,
                                      start_new_session=True)
         try:
             wait_health(self.base, self.proc, ready_timeout)
@@ -112,10 +113,12 @@ def clean_env(**extra: str) -> dict:
 
 
 def start_vllm(args, out_dir: Path, *, extra: list[str] | None = None, env: dict[str, str] | None = None,
-               log_name: str = "vllm-serve.log") -> Server:
+               log_name: str = "vllm-serve.log", cwd: Path = ROOT) -> Server:
     """``vllm serve`` on the benchmark model: ``args.dtype``, ``args.kv_bytes`` of KV, prefix caching,
     ``args.vllm_block_size`` (0: vLLM's default) and ``args.vllm_prefix_match_unit`` (0: unset), plus
-    ``extra`` flags and ``env`` variables; dev mode on (``POST /reset_prefix_cache``)."""
+    ``extra`` flags and ``env`` variables; dev mode on (``POST /reset_prefix_cache``). It runs in
+    ``cwd``, which ``python -m`` puts first on ``sys.path``: the checkout whose ``ragcache_integrations``
+    the connector is loaded from (``PYTHONPATH`` comes after it)."""
     threads = os.cpu_count() or 1
     server_env = clean_env(**{"PYTHONPATH": "", "VLLM_SERVER_DEV_MODE": "1", "OMP_NUM_THREADS": str(threads),
                               "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
@@ -127,7 +130,7 @@ def start_vllm(args, out_dir: Path, *, extra: list[str] | None = None, env: dict
         cmd += ["--block-size", str(args.vllm_block_size)]
     if args.vllm_prefix_match_unit:
         cmd += ["--prefix-match-unit", str(args.vllm_prefix_match_unit)]
-    return Server("vllm", cmd + list(extra or ()), server_env, out_dir / log_name, 900)
+    return Server("vllm", cmd + list(extra or ()), server_env, out_dir / log_name, 900, cwd=cwd)
 
 
 def warm_up(server: Server) -> None:
