@@ -282,7 +282,8 @@ def main() -> None:
             runs[system]["command"] = " ".join(servers[system].cmd)
         except Exception as exc:  # reported, never hidden, with the worker's own exception when there is one
             log = out_dir / log_name(system)
-            cause = [line.split("] ", 1)[-1] for line in log_tail(log, 200_000).splitlines() if "Exception: " in line]
+            cause = [line.split("] ", 1)[-1] for line in log_tail(log, 200_000).splitlines()
+                     if "Exception: " in line or "Worker failed with error" in line]
             runs[system]["error"] = failure(exc, log_tail(log))["error"] + (f" [worker: {cause[0]}]" if cause else "")
             print(f"[{system}] did not start: {runs[system]['error'][:300]}", file=sys.stderr, flush=True)
     for label in ("cold", "warm", "restart"):
