@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ragcache_backend.cache.disk import DiskStore
+from ragcache_backend.cache.disk import DiskStore, lower_thread_priority
 from ragcache_backend.cache.policy import NodeStats
 from ragcache_backend.cache.remote import RemoteStore
 
@@ -192,7 +192,7 @@ class ConnectorWorker:
         self._stream = torch.cuda.Stream(layers[0].device) if cuda else None
         self._load_events = [None] * len(layers)
         if not cuda and self._saver is None:
-            self._saver = ThreadPoolExecutor(1, thread_name_prefix="ragcache-save", initializer=_any_core)
+            self._saver = ThreadPoolExecutor(1, thread_name_prefix="ragcache-save", initializer=_saver_setup)
 
     @property
     def host_keys(self) -> set[str]:
@@ -576,14 +576,20 @@ class ConnectorWorker:
                 self._release(s.slot)
 
 
-def _any_core() -> None:
-    """The saver thread's initializer: let it run on every core the machine has. A thread inherits
+def _saver_setup() -> None:
+    """The saver thread's initializer. It may run on every core the machine has: a thread inherits
     its creator's CPU mask, and vLLM's CPU worker binds its main thread to one core (that of
-    OpenMP thread 0); the saver should take an idle core instead of queueing behind that thread."""
+    OpenMP thread 0). And it runs at nice 10 (as the disk and Redis writers): right after a step,
+    vLLM's API server process still has to send the step's tokens, and on two cores an
+    equal-priority copy delayed them (a miss's TTFT, after traffic with Redis on, three servers up:
+    +5.4% and +5.1% against +1.7% and +4.1% with the saver niced, two runs, the order swapped;
+    docs/benchmarks.md). The connector waits for the saver before the next
+    forward pass anyway, so it never falls behind by more than a step."""
     try:
         os.sched_setaffinity(0, range(os.cpu_count() or 1))
     except (AttributeError, OSError):  # not Linux, or a cpuset narrower than the machine: keep the mask
         pass
+    lower_thread_priority()
     log.debug("ragcache connector: host saves run on CPUs %s", sorted(os.sched_getaffinity(0))
               if hasattr(os, "sched_getaffinity") else "any")
 
