@@ -31,7 +31,7 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 if [ -z "${OVERLAP_ONLY:-}" ]; then  # OVERLAP_ONLY=1: step 3 alone
   timeout "${PYTEST_S:-300}" python3 -m pytest -q -rfE -p no:cacheprovider -o addopts= --timeout 120 \
     -m "not model and not slow" -k "not redis" \
-    ${TESTS:-tests/engine tests/cache tests/model tests/integrations/vllm/test_connector_parts.py} \
+    ${TESTS:-tests/engine tests/cache tests/model tests/integrations/vllm/test_connector_parts.py tests/integrations/vllm/test_connector_copies.py} \
     --ignore tests/model/test_grammar.py --ignore tests/cache/test_remote.py --ignore tests/engine/test_remote_tier.py \
     --junitxml "$OUT/junit.xml" 2>&1 | tee "$OUT/pytest.log" | tail -120
   echo "pytest exit: ${PIPESTATUS[0]}"
