@@ -47,6 +47,14 @@ def dense(t: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(raw)).view(t.dtype)
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous CPU tensors share any byte (safetensors refuses to write such a pair)."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
+
+
 def kv_digest(k: torch.Tensor, v: torch.Tensor, variant: str = "", tokens: str = "") -> str:
     """CRC-32 (8 hex digits) of the tensors' bytes, then of the token ids' text (if any), then of
     the variant record (if any)."""
@@ -119,6 +127,8 @@ class KVFileFormat:
     def encode(self, header: FileHeader, k: torch.Tensor, v: torch.Tensor) -> bytes:
         """The file's bytes for ``k``, ``v`` (``[layers, tokens, kv_heads, head_dim]``) and ``header``."""
         k, v = dense(k), dense(v)  # once, for the checksum and the file
+        if _overlap(k, v):  # e.g. the same tensor twice: safetensors would refuse to write the pair
+            v = torch.from_numpy(v.view(torch.uint8).numpy().copy()).view(v.dtype)
         meta = {"format": str(FORMAT), "fingerprint": self.fingerprint, "path_key": header.path_key,
                 "parent": header.parent, "key": header.key, "num_tokens": str(header.num_tokens),
                 "crc32": kv_digest(k, v, header.variant or "", tokens_text(header.tokens)),

@@ -220,6 +220,24 @@ def test_disk_store_rejects_bad_input(tmp_path):
         DiskStore(tmp_path, "fp", layout, torch.float32, 0)
 
 
+def test_k_and_v_sharing_memory_are_written_and_read_back(tmp_path):
+    """The same tensor as K and V (or overlapping views) is written, not dropped by the writer
+    (safetensors refuses to save tensors that share memory), and reads back exactly."""
+    layout = (2, 2, 8)
+    store = DiskStore(tmp_path, "fp", layout, torch.float32, 1 << 20)
+    k = torch.randn(2, 4, 2, 8, generator=torch.Generator().manual_seed(0))
+    assert store.put(path_key("", "a"), "", "a", k, k, NodeStats(1, 0.0, 4, 0))
+    kv = torch.randn(2, 2, 4, 2, 8, generator=torch.Generator().manual_seed(1))
+    assert store.put(path_key("", "b"), "", "b", kv[0], kv[1], NodeStats(1, 0.0, 4, 0))  # disjoint views
+    assert store.flush(10)
+    assert store.stats.writes == 2
+    got = store.load(store.lookup(path_key("", "a")))
+    assert got is not None and torch.equal(got[0], k) and torch.equal(got[1], k)
+    got = store.load(store.lookup(path_key("", "b")))
+    assert got is not None and torch.equal(got[0], kv[0]) and torch.equal(got[1], kv[1])
+    store.close()
+
+
 def test_failure_before_the_first_token_is_retried_by_recomputation(tiny_model, fixed_profile, tmp_path, monkeypatch):
     e = disk_engine(tiny_model, fixed_profile, tmp_path)
     reference = e.generate(Q, DOCS, GREEDY, use_cache=False)
