@@ -11,7 +11,7 @@ A remote tier shared by replicas is meant to be another class of this shape.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from ragcache_backend.cache.chunk_reuse import VariantInfo
 from ragcache_backend.cache.disk import DiskEntry, DiskStore
@@ -105,6 +105,11 @@ class DiskTier:
         """Entry ``entry``'s KV as a host copy, or None if its file is gone or damaged."""
         kv = self.store.load(entry)
         return None if kv is None else self._mover.host_from_tensors(*kv)
+
+    def read_many(self, entries: Sequence[DiskEntry]) -> list[KVHandle | None]:
+        """:meth:`read` of each entry, in order, the files read and verified several at once
+        (:meth:`DiskStore.load_many`); None where a file is gone or damaged."""
+        return [None if kv is None else self._mover.host_from_tensors(*kv) for kv in self.store.load_many(entries)]
 
     def variants(self, chunk: str, num_tokens: int) -> list[DiskEntry]:
         """Entries that are variants of ``chunk`` of ``num_tokens`` tokens (any fingerprint: the

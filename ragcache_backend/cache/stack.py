@@ -43,10 +43,19 @@ from ragcache_backend.cache.disk_tier import DiskTier
 from ragcache_backend.cache.host import HostTier
 from ragcache_backend.cache.remote_tier import RemoteTier
 from ragcache_backend.cache.knowledge_tree import KnowledgeTree, Node, SegmentKey, TierName, path_key
-from ragcache_backend.cache.tier import NodeLocks
+from ragcache_backend.cache.tier import KVHandle, NodeLocks
 from ragcache_backend.errors import InvalidRequestError
 
 __all__ = ["CacheStats", "TierStack"]
+
+
+@dataclass(slots=True, frozen=True)
+class _DiskRead:
+    """A file of the disk tier read back for a prefix match: its entry and its KV as a host copy
+    (None: the file was gone or failed verification)."""
+
+    entry: DiskEntry
+    kv: KVHandle | None
 
 
 @dataclass(slots=True)
@@ -277,7 +286,8 @@ class TierStack:
         ``restore`` gives it back its chunk-variant record. Returns the new nodes (unlocked).
         Stops at the first key not on disk, a file whose recorded tokens differ from ``tokens``
         (per key; empty: not compared), a file that fails verification (deleted, to be
-        recomputed), or a host tier with no room."""
+        recomputed), or a host tier with no room. The run of files on disk is read several at
+        once (:meth:`_disk_run`); where it ends, the remote tier is asked key by key."""
         disk, remote = self.disk, self.remote
         if ((disk is None and remote is None) or len(nodes) >= len(keys) or any(n.approximate for n in nodes)
                 or not self.host.enabled):
@@ -285,22 +295,24 @@ class TierStack:
         for n in nodes:
             self.lock(n)  # room made in host below must not evict the path being extended
         loaded: list[Node] = []
+        parent = nodes[-1] if nodes else self.tree.root
+        run = self._disk_run(parent, keys, tokens, len(nodes))
         try:
-            parent = nodes[-1] if nodes else self.tree.root
             for i in range(len(nodes), len(keys)):
                 key, want = keys[i], tuple(tokens[i]) if i < len(tokens) else ()
                 if key in parent.children:
                     break
                 pkey = path_key(parent.path_key, key)
-                entry = disk.lookup(pkey) if disk is not None else None
-                if entry is not None and (not want or entry.tokens == want):
-                    if not self.make_host_room(self.host.nbytes(entry.num_tokens)):
+                if run and run[0].entry.path_key == pkey:
+                    read = run.pop(0)
+                    if not self.make_host_room(self.host.nbytes(read.entry.num_tokens)):
+                        run.insert(0, read)  # freed below
                         break
-                    node = self.tree.add_child(parent, key, entry.num_tokens, entry.tokens)
-                    if not self._fill_from_disk(node, entry):
+                    node = self.tree.add_child(parent, key, read.entry.num_tokens, read.entry.tokens)
+                    if not self._fill_from_disk(node, read.entry, read.kv):
                         break
-                    restore(node, entry.variant)
-                elif remote is not None and want:  # an entry is never served without its token ids
+                    restore(node, read.entry.variant)
+                elif remote is not None and want and not run:  # an entry is never served without its token ids
                     node = self._read_remote(parent, key, pkey, want)
                     if node is None:
                         break
@@ -310,10 +322,37 @@ class TierStack:
                 loaded.append(node)
                 parent = node
         finally:
+            for r in run:  # read but not used: no room, or the path ended first
+                if r.kv is not None:
+                    self.device.mover.free_host(r.kv)
             for n in list(nodes) + loaded:
                 self.unlock(n)
         self.stats.disk_hits += len(loaded)
         return loaded
+
+    def _disk_run(self, parent: Node, keys: Sequence[SegmentKey], tokens: Sequence[Sequence[int]],
+                  start: int) -> list[_DiskRead]:
+        """The files of ``keys[start:]`` under ``parent`` that are on disk with the wanted tokens,
+        up to the first that is not (or up to the host tier's budget in bytes), read and verified
+        several at once; each with its KV as a host copy (None: gone or damaged)."""
+        if self.disk is None:
+            return []
+        entries, pkey, nbytes = [], parent.path_key, 0
+        for i in range(start, len(keys)):
+            key, want = keys[i], tuple(tokens[i]) if i < len(tokens) else ()
+            if i == start and key in parent.children:
+                break
+            pkey = path_key(pkey, key)
+            entry = self.disk.lookup(pkey)
+            if entry is None or (want and entry.tokens != want):
+                break
+            nbytes += self.host.nbytes(entry.num_tokens)
+            if entries and nbytes > self.host.budget_bytes:
+                break
+            entries.append(entry)
+        if len(entries) == 1:
+            return [_DiskRead(entries[0], self.disk.read(entries[0]))]
+        return [_DiskRead(e, kv) for e, kv in zip(entries, self.disk.read_many(entries))]
 
     def _read_remote(self, parent: Node, key: SegmentKey, pkey: str, tokens: tuple[int, ...]) -> Node | None:
         """A new host node for ``key`` under ``parent`` from the remote tier, or None (absent,
@@ -339,13 +378,12 @@ class TierStack:
         self.stats.remote_hits += 1
         return node
 
-    def _fill_from_disk(self, node: Node, entry: DiskEntry) -> bool:
-        """Give a new, empty ``node`` its KV from the disk tier as a host copy (with the file's
-        statistics); False, the node removed from the tree, if the file is gone or damaged.
-        Raises what the mover or the host tier raise, the node removed and its copy freed."""
-        kv = None
+    def _fill_from_disk(self, node: Node, entry: DiskEntry, kv: KVHandle | None) -> bool:
+        """Give a new, empty ``node`` its KV read back from the disk tier (``kv``, a host copy the
+        stack now owns; None: the file was gone or damaged) with the file's statistics; False, the
+        node removed from the tree, if there is none.
+        Raises what the host tier raises, the node removed and its copy freed."""
         try:
-            kv = self.disk.get(node)
             if kv is None:
                 self.tree.remove(node)
                 return False

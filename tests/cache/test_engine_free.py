@@ -74,7 +74,34 @@ def test_a_damaged_file_is_recomputed_never_served(tmp_path):
     hits = core.serve(again, arena2, A)  # serve() checks every reused token's KV
     assert hits["disk"] == 2 and hits["cached_tokens"] == 2 * BLOCK  # stops before the damaged third block
     assert again.disk.stats.corrupt == 1 and not path.exists()
+    assert again.locked_nodes == 0 and arena2.live == again.host_used_bytes // arena2.host_nbytes(BLOCK)  # no copy leaked
     again.close_disk()
+
+
+def test_a_restart_reads_the_path_s_files_at_once_and_no_more_than_the_host_tier_holds(tmp_path):
+    """After a restart, the files of a matched path are read together by the disk tier's reader
+    threads, exactly (``serve`` checks every token); with a host tier smaller than the path, the
+    match stops where the host tier is full, the files below are neither read nor counted, and
+    no host copy is left over."""
+    import threading
+
+    cache, arena = make(tmp_path)
+    core.serve(cache, arena, A)
+    cache.persist_pending()
+    cache.close_disk()
+
+    again, arena2 = make(tmp_path)
+    assert core.serve(again, arena2, A) == {"cached_tokens": 48, "device": 0, "host": 0, "disk": 6}
+    assert any(t.name.startswith("ragcache-disk-read") for t in threading.enumerate())
+    assert arena2.live == again.host_used_bytes // arena2.host_nbytes(BLOCK)
+    again.close_disk()
+
+    small, arena3 = make(tmp_path, host_blocks=4)  # room for 4 of the path's 6 blocks
+    hits = core.serve(small, arena3, A)
+    assert hits["disk"] == 4 and hits["cached_tokens"] == 4 * BLOCK
+    assert small.disk.stats.loaded == 4 and small.locked_nodes == 0
+    assert arena3.live == small.host_used_bytes // arena3.host_nbytes(BLOCK)
+    small.close_disk()
 
 
 def test_eviction_under_pressure_keeps_budgets_and_frees_everything(tmp_path):
