@@ -154,7 +154,7 @@ def main() -> None:
                 "letter": "ABCD"[argmax(got)], "agrees": argmax(got) == ref_letter, "letter_logits": got,
                 "kl": float(kl_rows(full.first_logits, h.first_logits)), "computed_tokens": res.computed_tokens + res.guard_tokens,
                 "chunk_hits": res.chunk_hits, "recomputed_tokens": res.recomputed_tokens, "guarded": res.guarded_chunks,
-                "deviation": res.chunk_deviation,
+                "deviation": res.chunk_deviation, "chunks": [dataclasses.asdict(c) for c in res.chunk_reuse],
             }
         records.append(rec)
         none, dflt = rec["rules"][NONE], rec["rules"][next(n for n, r in table.items() if r == serving)]

@@ -12,6 +12,7 @@ _WHERE = {
     "RAGCacheEngine": "ragcache_backend.engine.engine",
     "GenerationResult": "ragcache_backend.engine.request",
     "StreamChunk": "ragcache_backend.engine.request",
+    "ChunkReuse": "ragcache_backend.engine.request",
 }
 
 

@@ -42,9 +42,10 @@ from ragcache_backend.errors import InvalidRequestError
 from ragcache_backend.model.arena import KVArena
 from ragcache_backend.model.chunk_rows import BlendSelection, FocusSelection
 from ragcache_backend.model.forward import MAX_STAT_SEGMENTS, ForwardInput, SegmentAttention
+from ragcache_backend.engine.request import ChunkReuse
 from ragcache_backend.prompts.builder import PromptPlan, Segment, SegmentKind, split_blocks
 
-__all__ = ["ChunkLayout", "chunk_deviations", "complete_pieces", "context_parts", "copy_variants", "decode_input",
+__all__ = ["ChunkLayout", "chunk_attention", "chunk_deviations", "chunk_reuse", "complete_pieces", "context_parts", "copy_variants", "decode_input",
            "guard_flags", "lead_specs", "prefill_chunk_input", "prefill_input", "prefill_tokens", "recomputed_tokens", "rows_from",
            "tail_block_specs", "variant_stats"]
 
@@ -101,6 +102,8 @@ class ChunkLayout:
         stat_keys, stat_lengths: the statistics segments' ids and token counts (empty: none asked).
         stat_skip: leading statistics segments left out of inter-attention (the sink).
         piece_segment: per piece, the index of its (first) statistics segment.
+        guard_pieces: ``(piece, segment)`` for each reused piece whose span is a guard segment
+            (:attr:`ForwardInput.guard_segments`: the last row's attention to it is measured).
     """
 
     rows: tuple[tuple[int, ...], ...]
@@ -109,6 +112,7 @@ class ChunkLayout:
     stat_lengths: tuple[int, ...]
     stat_skip: int
     piece_segment: tuple[int, ...]
+    guard_pieces: tuple[tuple[int, int], ...] = ()
 
 
 def copy_variants(lease: Lease, arena: KVArena) -> None:
@@ -164,17 +168,38 @@ def prefill_input(plan: PromptPlan, lease: Lease, *, rule: RecomputeRule, guard:
         focus = _focus(lead, lease, rows, len(new_tokens), rule.focus_window)
     stats = tuple(stat_lengths) if stat_keys else None
     guarded = guard and rule.guard is not None and bool(reused)  # nothing reused: no deviation to measure
+    spans, guard_pieces = _guard_segments(lease, reused, pos + len(plan.rest)) if guarded else (None, ())
     skipped = sum(p.spec.num_tokens for p in lease.pieces[:first])
     if len(positions) == pos + len(plan.rest) - lease.cached_tokens - skipped and blend is None and focus is None:
         # every token past the prefix (and the pieces a second pass keeps) is computed through every
         # layer: an ordinary prefill over them, which takes the causal kernels instead of a masked one
         # (always so in exact mode)
         item = ForwardInput(tuple(new_tokens), runs[:n_prefix + first], runs[n_prefix + first:], stat_segments=stats,
-                            guard=guarded)
+                            guard=guarded, guard_segments=spans)
     else:
         item = ForwardInput(tuple(new_tokens), runs, (), positions=tuple(positions), stat_segments=stats,
-                            guard=guarded, blend=blend, focus=focus)
-    return item, ChunkLayout(tuple(rows), recorded, stat_keys, tuple(stat_lengths), skip, piece_segment)
+                            guard=guarded, blend=blend, focus=focus, guard_segments=spans)
+    return item, ChunkLayout(tuple(rows), recorded, stat_keys, tuple(stat_lengths), skip, piece_segment, guard_pieces)
+
+
+def _guard_segments(lease: Lease, reused: Sequence[int], total: int) -> tuple[tuple[int, ...] | None, tuple[tuple[int, int], ...]]:
+    """The guard's segments of a ``total``-token context: each reused piece's span, and the text
+    between them; with the piece each span belongs to. ``(None, ())`` past :data:`MAX_STAT_SEGMENTS`."""
+    lengths: list[int] = []
+    pairs: list[tuple[int, int]] = []
+    at = 0
+    for i in reused:
+        piece = lease.pieces[i]
+        if piece.start > at:
+            lengths.append(piece.start - at)
+        pairs.append((i, len(lengths)))
+        lengths.append(piece.spec.num_tokens)
+        at = piece.start + piece.spec.num_tokens
+    if total > at:
+        lengths.append(total - at)
+    if len(lengths) > MAX_STAT_SEGMENTS:
+        return None, ()
+    return tuple(lengths), tuple(pairs)
 
 
 def prefill_tokens(plan: PromptPlan, lease: Lease) -> int:
@@ -323,6 +348,24 @@ def chunk_deviations(lease: Lease, layout: ChunkLayout, deviation: Sequence[floa
         return {}
     return {i: sum(deviation[r] for r in rows) / len(rows)
             for i, (piece, rows) in enumerate(zip(lease.pieces, layout.rows)) if piece.use is not None and rows}
+
+
+def chunk_attention(layout: ChunkLayout, last_mass: Sequence[float] | None) -> dict[int, float]:
+    """Per reused piece the guard measured: the attention mass the prompt's last token gave its
+    span (averaged over layers and KV heads; :attr:`StepOutput.last_mass`)."""
+    if last_mass is None:
+        return {}
+    return {piece: last_mass[segment] for piece, segment in layout.guard_pieces}
+
+
+def chunk_reuse(lease: Lease, deviations: dict[int, float], attention: dict[int, float],
+                flagged: frozenset[int]) -> tuple[ChunkReuse, ...]:
+    """Per piece served from a chunk variant, in prompt order, how it was fixed and what the guard
+    measured (``deviations`` from :func:`chunk_deviations`, ``attention`` from
+    :func:`chunk_attention`; ``flagged`` from :func:`guard_flags`)."""
+    return tuple(ChunkReuse(str(p.spec.key), p.start, p.spec.num_tokens, p.use.cfo, len(p.use.recompute),
+                            deviations.get(i), attention.get(i), i in flagged)
+                 for i, p in enumerate(lease.pieces) if p.use is not None)
 
 
 def guard_flags(deviations: dict[int, float], threshold: float | None) -> frozenset[int]:

@@ -441,6 +441,7 @@ class EngineCore:
         deviations = batch.chunk_deviations(lease, layout, out.deviation[index])
         req.deviation = max(deviations.values(), default=0.0)
         flagged = batch.guard_flags(deviations, req.recompute.guard)
+        req.chunk_reuse = batch.chunk_reuse(lease, deviations, batch.chunk_attention(layout, out.last_mass[index]), flagged)
         stats = batch.variant_stats(lease, layout, attention) if req.store else []
         if flagged:
             first = min(flagged)

@@ -26,10 +26,43 @@ from ragcache_backend.prompts.detokenizer import IncrementalText
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FinishReason", "GenerationResult", "ReuseMode", "Request", "RequestHandle", "RequestMetrics", "StreamChunk"]
+__all__ = ["ChunkReuse", "FinishReason", "GenerationResult", "ReuseMode", "Request", "RequestHandle", "RequestMetrics", "StreamChunk"]
 
 FinishReason = Literal["stop", "length"]
 ReuseMode = Literal["exact", "chunk", "auto"]
+
+
+@dataclass(slots=True, frozen=True)
+class ChunkReuse:
+    """One document of a chunk-mode prompt served from a cached chunk variant (Cache-Craft §3):
+    how it was fixed for this prompt and what the quality guard saw.
+
+    Attributes:
+        chunk: the document's segment key (content hash of its token ids).
+        position: its first token's position in the prompt (tokens).
+        tokens: its length (tokens).
+        cfo: the variant's cache fix overhead for this prompt (eq. 12), the share of its tokens
+            the rule chose to recompute, [0, 1].
+        recomputed_tokens: its tokens recomputed over this prompt's context (eq. 14; before any
+            guard pass).
+        deviation: the mean relative change of those tokens' K/V (``||new - old|| / ||old||``,
+            averaged over tokens and layers: the guard's per-chunk signal); None when none was
+            recomputed or the rule has no guard.
+        attention: the attention mass the prompt's last token (the one that yields the first
+            output token) gave this chunk's span, averaged over layers and KV heads, in [0, 1]:
+            how much the answer reads it; None when the rule has no guard.
+        guarded: the quality guard sent it back to full recomputation (it is then no longer
+            counted in ``GenerationResult.chunk_hits``).
+    """
+
+    chunk: str
+    position: int
+    tokens: int
+    cfo: float
+    recomputed_tokens: int
+    deviation: float | None
+    attention: float | None
+    guarded: bool
 
 
 @dataclass(slots=True, frozen=True)
@@ -64,6 +97,8 @@ class GenerationResult:
         guard_tokens: prompt rows the quality guard's second pass computed again (the first pass's
             rows from the first flagged chunk on, full-depth equivalents); the work of the prefill
             is ``computed_tokens + guard_tokens``.
+        chunk_reuse: per document served from a chunk variant, in prompt order, how it was fixed
+            and what the guard saw (:class:`ChunkReuse`); empty in exact mode.
         search_s: a pipelined request (RAGCache §5.3): seconds of its vector search, from the
             question to the final top-k; 0.0 for a request given its documents.
         unoverlapped_search_s: the part of ``search_s`` not overlapped with the generation that
@@ -106,6 +141,7 @@ class GenerationResult:
     wasted_tokens: int = 0
     speculation_kept: bool = False
     logprobs: tuple[SampledToken, ...] = ()
+    chunk_reuse: tuple[ChunkReuse, ...] = ()
 
 
 @dataclass(slots=True, frozen=True)
@@ -215,6 +251,7 @@ class Request:
         chunk_cached: tokens served from chunk variants without recomputation.
         guarded: reused chunks the quality guard recomputed in full.
         deviation: the guard's signal (see ``GenerationResult.chunk_deviation``).
+        chunk_reuse: per reused chunk, how it was fixed (``GenerationResult.chunk_reuse``).
         guard_tokens: rows the guard's second pass computed again (``GenerationResult.guard_tokens``).
         layout: how the prefill's rows map to the lease's pieces
             (:class:`~ragcache_backend.engine.batch.ChunkLayout`).
@@ -250,6 +287,7 @@ class Request:
     chunk_cached: int = 0
     guarded: int = 0
     deviation: float = 0.0
+    chunk_reuse: tuple[ChunkReuse, ...] = ()
     guard_tokens: int = 0
     layout: object | None = None
     retried: bool = False
@@ -338,4 +376,5 @@ class Request:
             chunk_deviation=self.deviation,
             guard_tokens=self.guard_tokens,
             logprobs=tuple(self.logprobs),
+            chunk_reuse=self.chunk_reuse,
         )

@@ -95,6 +95,10 @@ class ChunkRows:
         stopped: original row -> layers it was computed in, for rows that stopped early.
         focus_layer: ``L*`` once Algorithm 1 decided (0 before).
         window_bias: sliding window -> ``bias`` limited to it (built on first use, dropped when rows stop).
+        last_mass: ``[nseg]`` float32 attention mass of the last row (the one that yields the
+            logits) to each guard segment, summed over layers and one query head per KV head
+            (None: not asked); ``guard_offsets`` ``[nseg + 1]`` and ``guard_ids`` ``[S]`` describe
+            those segments for the native and the torch kernel.
     """
 
     index: int
@@ -122,17 +126,21 @@ class ChunkRows:
     focus_layer: int = 0
     window_bias: dict[int, torch.Tensor] = field(default_factory=dict)
     segment_offsets: torch.Tensor | None = None
+    last_mass: torch.Tensor | None = None
+    guard_offsets: torch.Tensor | None = None
+    guard_ids: torch.Tensor | None = None
     _blend_dev: torch.Tensor | None = None
 
     # ---- set-up ----------------------------------------------------------------------------------
     @staticmethod
     def create(index: int, row: int, n: int, context: torch.Tensor, positions: torch.Tensor, explicit: bool,
                stat_segments: tuple[int, ...] | None, guard: bool, blend: BlendSelection | None,
-               focus: FocusSelection | None, dtype: torch.dtype, max_segments: int) -> ChunkRows:
+               focus: FocusSelection | None, dtype: torch.dtype, max_segments: int,
+               guard_segments: tuple[int, ...] | None = None) -> ChunkRows:
         """Validate a sequence's chunk-cache extras and build its state.
 
         Raises:
-            InvalidRequestError: statistics segments that do not cover the context, selections that
+            InvalidRequestError: statistics or guard segments that do not cover the context, selections that
                 name rows out of range or the sequence's last row (it yields the logits), a share
                 outside [0, 1], a focus window below 1 or chunk ranges outside the context.
         """
@@ -160,12 +168,21 @@ class ChunkRows:
             focus_segments = focus_segments.to(dev)
             tracker = FocusTracker(window=focus.window)
         write = context.index_select(0, positions) if explicit else context[s - n:]
+        last_mass = guard_offsets = guard_ids = None
+        if guard_segments is not None:
+            if sum(guard_segments) != s or min(guard_segments, default=0) < 1 or len(guard_segments) > max_segments:
+                raise InvalidRequestError(f"guard segments {list(guard_segments)} must cover the {s}-token context, "
+                                          f"each >= 1 token, at most {max_segments}")
+            guard_ids = torch.repeat_interleave(torch.arange(len(guard_segments)), torch.tensor(guard_segments)).to(dev)
+            guard_offsets = torch.tensor((0, *guard_segments), dtype=torch.int64).cumsum(0)
+            last_mass = torch.zeros(len(guard_segments), dtype=torch.float32, device=dev)
         track = guard or blend is not None
         return ChunkRows(index, row, row + n, context, positions, write, explicit, dtype, torch.arange(n, device=dev), segments,
                          len(stat_segments or ()), mass,
                          torch.zeros(n, dtype=torch.float32, device=dev) if track else None,
                          torch.zeros(n, dtype=torch.float32, device=dev) if track else None,
-                         guard, blend, focus, focus_segments, tracker, segment_offsets=offsets)
+                         guard, blend, focus, focus_segments, tracker, segment_offsets=offsets, last_mass=last_mass,
+                         guard_offsets=guard_offsets, guard_ids=guard_ids)
 
     # ---- per layer -------------------------------------------------------------------------------
     def before_write(self, kc: torch.Tensor, vc: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -222,6 +239,20 @@ class ChunkRows:
                 self.dev_layers.index_add_(0, self.alive, torch.ones_like(dev))
         if self.focus is not None and self.tracker.focused is None:
             self._feed_focus(qs, ctx_k, scale, window)
+        if self.last_mass is not None:
+            self._feed_last(qs, kc, ctx_k, scale, window)
+
+    def _feed_last(self, qs: torch.Tensor, kc: torch.Tensor, ctx_k: torch.Tensor | None, scale: float,
+                   window: int | None) -> None:
+        """Add the last row's attention mass to each guard segment (one query head per KV head)."""
+        group = qs.shape[1] // kc.shape[1]
+        q, pos = qs[-1:, ::group], self.positions[-1:]  # the last row never stops
+        if window is None and native.segment_mass_available(q, kc):
+            m = native.segment_mass(q, kc, self.context, pos, self.guard_offsets, scale)
+        else:
+            keys = ctx_k if ctx_k is not None else kc.index_select(0, self.context)
+            m = segment_attention_mass(q, keys, pos, self.guard_ids, self.last_mass.numel(), scale=scale, window=window)
+        self.last_mass += m[0].sum(dim=0)
 
     def _feed_focus(self, qs: torch.Tensor, ctx_k: torch.Tensor, scale: float, window: int | None) -> None:
         local = {int(o): i for i, o in enumerate(self.alive.tolist())}

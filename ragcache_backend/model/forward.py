@@ -44,6 +44,11 @@ class ForwardInput:
             head per KV head (:attr:`StepOutput.attention`). At most 64 segments.
         guard: measure, for every new token, how far its new K/V moved from the values its slot
             held before the write (:attr:`StepOutput.deviation`; the quality guard's signal).
+        guard_segments: lengths (tokens, each >= 1) of consecutive context segments summing to the
+            context length, or None. When given, the attention mass the last new token (the one
+            that yields the logits) gives each segment is recorded, averaged over every layer and
+            one query head per KV head (:attr:`StepOutput.last_mass`): how much the next token
+            reads each span (the guard weighs reused chunks by it). At most 64 segments.
         blend: stop most reused-chunk rows after an early layer, keeping those whose K/V deviate
             most (CacheBlend-style selection; :class:`~ragcache_backend.model.chunk_rows.BlendSelection`).
         focus: stop the recomputed rows of chunks the question does not focus on, once Algorithm 1
@@ -59,6 +64,7 @@ class ForwardInput:
     guard: bool = False
     blend: BlendSelection | None = None
     focus: FocusSelection | None = None
+    guard_segments: tuple[int, ...] | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -87,6 +93,8 @@ class StepOutput:
         depth: per sequence with ``blend`` or ``focus``, the layers each new token was computed in
             (``num_layers`` unless it stopped part-way); None otherwise.
         focus_layer: per sequence, ``L*``: the layers after which Algorithm 1 decided (0: it did not).
+        last_mass: per sequence with ``guard_segments``, the last new token's attention mass to
+            each of those segments (float32 arithmetic; sums to 1); None otherwise.
     """
 
     logits: list[torch.Tensor]
@@ -94,6 +102,7 @@ class StepOutput:
     deviation: list[tuple[float, ...] | None]
     depth: list[tuple[int, ...] | None] = field(default_factory=list)
     focus_layer: list[int] = field(default_factory=list)
+    last_mass: list[tuple[float, ...] | None] = field(default_factory=list)
 
 
 MAX_STAT_SEGMENTS = 64

@@ -192,8 +192,8 @@ class ModelRunner:
 
         Raises:
             InvalidRequestError: an empty sequence, target runs that do not match ``new_tokens``,
-                positions that are not ascending inside the context, statistics segments that do not
-                cover the context (or more than :data:`MAX_STAT_SEGMENTS`), bad row selections, or
+                positions that are not ascending inside the context, statistics or guard segments
+                that do not cover the context (or more than :data:`MAX_STAT_SEGMENTS`), bad row selections, or
                 ``all_logits`` with row selections.
         """
         lengths = [len(item.new_tokens) for item in batch]
@@ -228,12 +228,12 @@ class ModelRunner:
                 st.cached_slots.append(cached if cached.numel() else None)
                 st.modes.append(attention_plan(start, n, self.dtype, self.device, decode=item.decode))
                 st.context.append(ctx)
-            if explicit or item.stat_segments is not None or item.guard or item.blend or item.focus:
+            if explicit or item.stat_segments is not None or item.guard or item.blend or item.focus or item.guard_segments:
                 blend = item.blend
                 if blend is not None and blend.layer > self.num_layers - 2:  # rows must stop before the last layer
                     blend = dataclasses.replace(blend, layer=max(0, self.num_layers - 2))
                 chunk = ChunkRows.create(idx, row, n, ctx, pos, explicit, item.stat_segments, item.guard, blend,
-                                         item.focus, self.dtype, MAX_STAT_SEGMENTS)
+                                         item.focus, self.dtype, MAX_STAT_SEGMENTS, guard_segments=item.guard_segments)
                 st.chunks.append(chunk)
                 new_slots.append(chunk.write)
             else:
@@ -250,13 +250,16 @@ class ModelRunner:
         offsets = st.offsets
         logits = self.layers.logits(normed)
         per_seq = [logits[offsets[i] : offsets[i + 1]] for i in range(len(batch))] if all_logits else list(logits)
-        out = StepOutput(per_seq, [None] * len(batch), [None] * len(batch), [None] * len(batch), [0] * len(batch))
+        out = StepOutput(per_seq, [None] * len(batch), [None] * len(batch), [None] * len(batch), [0] * len(batch),
+                         [None] * len(batch))
         for c in st.chunks:
             if c.mass is not None:
                 mass = c.mass / (len(self.stat_layers) * self.layers.num_kv_heads)  # one query head per KV head
                 out.attention[c.index] = SegmentAttention(tuple(tuple(r) for r in mass.tolist()))
             if c.guard:
                 out.deviation[c.index] = tuple((c.deviation / c.dev_layers.clamp_min(1)).tolist())
+            if c.last_mass is not None:
+                out.last_mass[c.index] = tuple((c.last_mass / (self.num_layers * self.layers.num_kv_heads)).tolist())
             if c.blend is not None or c.focus is not None:
                 out.depth[c.index] = tuple(c.stopped.get(r, self.num_layers) for r in range(lengths[c.index]))
             out.focus_layer[c.index] = c.focus_layer

@@ -3,6 +3,8 @@ exactness limits (recompute everything = full recomputation), the guard, bad inp
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -43,8 +45,16 @@ def test_documents_in_another_order_are_served_from_chunk_variants(tiny_model, f
     assert again.chunk_hits == 3 and again.chunk_cached_tokens > 0
     assert again.cached_tokens == again.prompt_tokens - again.computed_tokens
     assert again.computed_tokens >= again.recomputed_tokens > 0
+    # per chunk, in prompt order: what was reused and how it was fixed (no guard: nothing measured)
+    rec = again.chunk_reuse
+    assert len(rec) == 3 and [r.position for r in rec] == sorted(r.position for r in rec)
+    assert sum(r.recomputed_tokens for r in rec) == again.recomputed_tokens
+    assert sum(r.tokens - r.recomputed_tokens for r in rec) == again.chunk_cached_tokens
+    assert all(0.0 <= r.cfo <= 1.0 and r.deviation is None and r.attention is None and not r.guarded for r in rec)
+    assert all(r.recomputed_tokens == min(r.tokens, math.ceil(r.cfo * r.tokens - 1e-9)) for r in rec)  # eq. 14
     exact = eng.generate("Why are tuples hashable?", [DOCS[1], DOCS[2], DOCS[0]], GREEDY, reuse="exact")
     assert exact.chunk_hits == 0 and exact.cached_tokens < again.cached_tokens  # the tree alone: the system prompt
+    assert exact.chunk_reuse == ()
     assert_clean(eng)
 
 
@@ -96,6 +106,10 @@ def test_the_guard_recomputes_a_chunk_that_moved_too_far(tiny_model, fixed_profi
     res = eng.submit_segments(segs, GREEDY, keep_logits=True)
     out = res.result()
     assert out.guarded_chunks == 3 and out.chunk_hits == 0 and out.recomputed_tokens == 0
+    # the records keep what the guard saw before its second pass: every chunk measured and flagged
+    assert len(out.chunk_reuse) == 3 and all(r.guarded and r.deviation > 1e-6 for r in out.chunk_reuse)
+    assert all(0.0 < r.attention < 1.0 for r in out.chunk_reuse) and sum(r.attention for r in out.chunk_reuse) < 1.0
+    assert max(r.deviation for r in out.chunk_reuse) == out.chunk_deviation
     assert (res.first_logits - ref).abs().max().item() < 1e-4  # every chunk recomputed: exact again
     assert eng.cache.num_variants > 3  # the recomputed chunks are kept as variants for this context
     assert_clean(eng)

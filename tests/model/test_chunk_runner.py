@@ -126,6 +126,43 @@ def test_attention_statistics_match_the_models_own_attention_weights(runner, tin
     assert (mass - ref).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+def test_the_last_rows_attention_to_guard_segments_matches_the_models_own_weights(runner, tiny_model, monkeypatch, kernel):
+    """``guard_segments``: the last new token's attention mass per segment, averaged over every
+    layer and one query head per KV group, as the model's own attention weights give it (and as
+    the statistics give it for that row), from the native kernel or the torch reference."""
+    from ragcache_backend.model.kernels import native
+
+    if kernel == "torch":
+        monkeypatch.setattr(native, "segment_mass_available", lambda q, k: False)
+    b = Blocks()
+    sys_, c1, c2 = _toks(12, 11), _toks(20, 12), _toks(15, 13)
+    ps, p1 = b.run(12), b.run(20)
+    _prefill(runner, [(ps, sys_), (p1, c1)])
+    step = runner.forward_step([ForwardInput(c2, (ps, p1), (b.run(15),), stat_segments=(12, 20, 15),
+                                             guard_segments=(12, 20, 15))])
+    last = torch.tensor(step.last_mass[0])
+    assert last.shape == (3,) and abs(last.sum().item() - 1) < 1e-5
+    assert (last - torch.tensor(step.attention[0].mass[-1])).abs().max().item() < 1e-5
+    model = tiny_model.model
+    saved = model.config._attn_implementation
+    model.config._attn_implementation = "eager"
+    try:
+        with torch.inference_mode():
+            att = model(torch.tensor([sys_ + c1 + c2], device=tiny_model.device), output_attentions=True).attentions
+    finally:
+        model.config._attn_implementation = saved
+    probs = torch.stack(att)[:, 0, ::2, -1, :].mean(dim=(0, 1)).cpu()  # the last row, [47 keys]
+    ref = torch.stack([probs[:12].sum(), probs[12:32].sum(), probs[32:].sum()])
+    assert (last - ref).abs().max().item() < 1e-4
+    plain = runner.forward_step([ForwardInput(c2, (ps, p1), (b.run(15),))])
+    assert plain.last_mass == [None]
+    with pytest.raises(InvalidRequestError):
+        runner.forward_step([ForwardInput(c2, (ps, p1), (b.run(15),), guard_segments=(12, 20))])  # does not cover
+    with pytest.raises(InvalidRequestError):
+        runner.forward_step([ForwardInput(c2, (ps, p1), (b.run(15),), guard_segments=(12, 0, 20, 15))])  # empty one
+
+
 def test_deviation_is_zero_when_nothing_moved_and_positive_when_the_context_changed(runner):
     b = Blocks()
     sys_, c1, c2 = _toks(16, 14), _toks(30, 15), _toks(30, 16)
