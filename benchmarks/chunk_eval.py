@@ -433,7 +433,7 @@ def report(res: dict, table: dict) -> None:
               f"{x['mmlu_letter_agreement_reused']:6.1%}/{x['mmlu_requests_reused']:<2d} {x['computed_tokens_mean']:8.0f} "
               f"{x['computed_vs_tree']:7.2f} {x['worst5_kl']:9.5f} {x['guarded_chunks']:5d}")
     g = s["guard"]
-    print(f"guard signal (K/V deviation) vs per-request KL: Spearman {g['signal_vs_kl_spearman']:.2f} over {g['requests']} requests")
+    print(f"guard signal (K/V deviation x attention) vs per-request KL: Spearman {g['signal_vs_kl_spearman']:.2f} over {g['requests']} requests")
     if "passages" in s:
         p = s["passages"]
         print(f"trace: of the held-out requests' passages, {p['other']} were used before under another question, "

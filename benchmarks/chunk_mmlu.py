@@ -26,7 +26,8 @@ questions and makes every one of them a chunk-reuse request:
 Rules: no recompute (RoPE fixed only), Cache-Craft's CFO at each ``--alphas`` value with the
 engine's guard (the engine's default rule is CFO alpha 1 with its guard; it is added when not among them),
 and the default rule with its guard's signal measured but never acted on: that signal (the K/V deviation
-of the recomputed tokens) against the first-token KL gives the guard's rank correlation with the
+of a chunk's recomputed tokens times the attention the prompt's last token gives the chunk, the
+largest over the request's chunks) against the first-token KL gives the guard's rank correlation with the
 quality loss over every request that reused a chunk, and how many of the worst 5% it flags.
 Printed: per rule the letter agreement (raw and debiased, each with its Wilson 95% interval), the
 ranking agreement, mean KL, computed prompt tokens / the prompt's; ``--json``: the records and the summary. Timing is not measured here
@@ -184,8 +185,8 @@ def main() -> None:
                          "computed_share": sum(x["computed_tokens"] for x in rows) / sum(r["prompt_tokens"] for r in records),
                          "requests_with_chunk_hits": sum(1 for x in rows if x["chunk_hits"]),
                          "worst5_kl": statistics.mean(worst5([x["kl"] for x in rows])), "guarded_chunks": sum(x["guarded"] for x in rows)}
-    # the guard's signal (K/V deviation of the recomputed tokens, measured and not acted on) against the
-    # first-token KL, over the requests that reused a chunk (issue 24: a guard shown to track the KL)
+    # the guard's signal (K/V deviation of a chunk's recomputed tokens times the attention the last
+    # token gives the chunk; measured and not acted on) against the first-token KL, over the requests that reused a chunk (issue 24: a guard shown to track the KL)
     pairs = [(r["rules"][signal_only]["deviation"], r["rules"][signal_only]["kl"]) for r in records
              if r["rules"][signal_only]["chunk_hits"]]
     top = worst5(pairs, key=lambda p: p[1])  # the worst 5% by KL
@@ -203,7 +204,7 @@ def main() -> None:
         print(f"{name:44s} {s['agreement']:6.1%} {s['wilson95'][0]:6.1%}-{s['wilson95'][1]:5.1%} "
               f"{s['debiased_agreement']:8.1%} {s['debiased_wilson95'][0]:6.1%}-{s['debiased_wilson95'][1]:5.1%} "
               f"{s['ranking_agreement']:7.1%} {s['mean_kl']:8.4f} {s['computed_share']:8.2f} {s['requests_with_chunk_hits']:9d}")
-    print(f"guard signal (K/V deviation, threshold {serving.guard}) vs first-token KL over {guard['requests']} requests "
+    print(f"guard signal (K/V deviation x attention, threshold {serving.guard}) vs first-token KL over {guard['requests']} requests "
           f"with chunk hits: Spearman {guard['signal_vs_kl_spearman']:.2f}; over the threshold in {guard['flagged']} of them, "
           f"{guard['worst5_flagged']} of the {guard['worst5_requests']} with the largest KL")
     print("worst-5% KL: " + ", ".join(f"{name} {s['worst5_kl']:.4f}" for name, s in summary.items()))

@@ -215,8 +215,9 @@ class RecomputeRule:
         share: the fixed share (``share``), [0, 1].
         leading: tokens (``leading``).
         guard: the quality guard's threshold, or None for no guard: a reused chunk whose recomputed
-            tokens' K/V moved by more than this (relative L2, averaged over its recomputed tokens
-            and the layers) is recomputed in full before the first token is sampled.
+            tokens' K/V moved (relative L2, averaged over its recomputed tokens and the layers)
+            times the attention mass the prompt's last token gives the chunk (averaged over the
+            layers) exceeds this is recomputed in full before the first token is sampled.
         focus_window: Algorithm 1's ``w`` (focused-chunk early termination, §3.2.2), or None: off.
         added_context: count context the variant never saw in beta (:func:`added_context_factor`,
             our extension of eq. 6); False is the paper's formula.

@@ -46,7 +46,7 @@ from ragcache_backend.engine.request import ChunkReuse
 from ragcache_backend.prompts.builder import PromptPlan, Segment, SegmentKind, split_blocks
 
 __all__ = ["ChunkLayout", "chunk_attention", "chunk_deviations", "chunk_reuse", "complete_pieces", "context_parts", "copy_variants", "decode_input",
-           "guard_flags", "lead_specs", "prefill_chunk_input", "prefill_input", "prefill_tokens", "recomputed_tokens", "rows_from",
+           "guard_flags", "guard_signals", "lead_specs", "prefill_chunk_input", "prefill_input", "prefill_tokens", "recomputed_tokens", "rows_from",
            "tail_block_specs", "variant_stats"]
 
 _REST_KEY = "<rest>"
@@ -167,8 +167,9 @@ def prefill_input(plan: PromptPlan, lease: Lease, *, rule: RecomputeRule, guard:
     elif not full and reused and rule.focus_window is not None:
         focus = _focus(lead, lease, rows, len(new_tokens), rule.focus_window)
     stats = tuple(stat_lengths) if stat_keys else None
-    guarded = guard and rule.guard is not None and bool(reused)  # nothing reused: no deviation to measure
-    spans, guard_pieces = _guard_segments(lease, reused, pos + len(plan.rest)) if guarded else (None, ())
+    guarded = guard and rule.guard is not None and bool(reused)  # nothing recomputed: no deviation to measure
+    served = [i for i, p in enumerate(lease.pieces) if p.use is not None and i not in full]  # every reused chunk
+    spans, guard_pieces = _guard_segments(lease, served, pos + len(plan.rest)) if guarded else (None, ())
     skipped = sum(p.spec.num_tokens for p in lease.pieces[:first])
     if len(positions) == pos + len(plan.rest) - lease.cached_tokens - skipped and blend is None and focus is None:
         # every token past the prefix (and the pieces a second pass keeps) is computed through every
@@ -368,12 +369,22 @@ def chunk_reuse(lease: Lease, deviations: dict[int, float], attention: dict[int,
                  for i, p in enumerate(lease.pieces) if p.use is not None)
 
 
-def guard_flags(deviations: dict[int, float], threshold: float | None) -> frozenset[int]:
-    """Indices of reused pieces whose recomputed tokens' K/V moved by more than ``threshold``:
-    their cached KV was too far from this context to serve it."""
+def guard_signals(deviations: dict[int, float], attention: dict[int, float]) -> dict[int, float]:
+    """The quality guard's signal per reused piece with recomputed tokens: how far those tokens' K/V
+    moved (``deviations``) times the attention the prompt's last token gives the piece
+    (``attention``): stale KV the answer hardly reads matters little. It picks out the requests
+    with the largest first-token KL better than the deviation alone (``docs/benchmarks.md``, "The
+    quality guard weighed by attention", 2026-11-27). A piece whose attention was not measured
+    (more than :data:`MAX_STAT_SEGMENTS` guard segments) keeps its deviation alone: the larger."""
+    return {i: d * attention.get(i, 1.0) for i, d in deviations.items()}
+
+
+def guard_flags(signals: dict[int, float], threshold: float | None) -> frozenset[int]:
+    """Indices of reused pieces whose guard signal (:func:`guard_signals`) exceeds ``threshold``:
+    their cached KV was too far from this context, where the answer reads it, to serve it."""
     if threshold is None:
         return frozenset()
-    return frozenset(i for i, d in deviations.items() if d > threshold)
+    return frozenset(i for i, d in signals.items() if d > threshold)
 
 
 def tail_block_specs(plan: PromptPlan, fed: Sequence[int], block_tokens: int, salt: str = "") -> list[SegmentSpec]:

@@ -439,9 +439,11 @@ class EngineCore:
             return out.logits[index]
         logits, attention, depth = out.logits[index], out.attention[index], out.depth[index]
         deviations = batch.chunk_deviations(lease, layout, out.deviation[index])
-        req.deviation = max(deviations.values(), default=0.0)
-        flagged = batch.guard_flags(deviations, req.recompute.guard)
-        req.chunk_reuse = batch.chunk_reuse(lease, deviations, batch.chunk_attention(layout, out.last_mass[index]), flagged)
+        reads = batch.chunk_attention(layout, out.last_mass[index])  # how much the answer reads each chunk
+        signals = batch.guard_signals(deviations, reads)
+        req.deviation = max(signals.values(), default=0.0)
+        flagged = batch.guard_flags(signals, req.recompute.guard)
+        req.chunk_reuse = batch.chunk_reuse(lease, deviations, reads, flagged)
         stats = batch.variant_stats(lease, layout, attention) if req.store else []
         if flagged:
             first = min(flagged)

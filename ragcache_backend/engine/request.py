@@ -92,8 +92,10 @@ class GenerationResult:
         recomputed_tokens: tokens of reused chunks recomputed over this prompt's context (eq. 14).
         chunk_hits: documents served from a chunk variant.
         guarded_chunks: reused chunks the quality guard sent back to full recomputation.
-        chunk_deviation: the quality guard's signal: the largest mean relative change of a reused
-            chunk's recomputed K/V (0.0 when nothing was recomputed or the guard was off).
+        chunk_deviation: the quality guard's signal: the largest, over reused chunks, of the mean
+            relative change of a chunk's recomputed K/V times the attention the prompt's last token
+            gives the chunk (0.0 when nothing was recomputed or the guard was off; each factor per
+            chunk in ``chunk_reuse``).
         guard_tokens: prompt rows the quality guard's second pass computed again (the first pass's
             rows from the first flagged chunk on, full-depth equivalents); the work of the prefill
             is ``computed_tokens + guard_tokens``.

@@ -109,9 +109,32 @@ def test_the_guard_recomputes_a_chunk_that_moved_too_far(tiny_model, fixed_profi
     # the records keep what the guard saw before its second pass: every chunk measured and flagged
     assert len(out.chunk_reuse) == 3 and all(r.guarded and r.deviation > 1e-6 for r in out.chunk_reuse)
     assert all(0.0 < r.attention < 1.0 for r in out.chunk_reuse) and sum(r.attention for r in out.chunk_reuse) < 1.0
-    assert max(r.deviation for r in out.chunk_reuse) == out.chunk_deviation
+    assert max(r.deviation * r.attention for r in out.chunk_reuse) == pytest.approx(out.chunk_deviation, rel=1e-6)
     assert (res.first_logits - ref).abs().max().item() < 1e-4  # every chunk recomputed: exact again
     assert eng.cache.num_variants > 3  # the recomputed chunks are kept as variants for this context
+    assert_clean(eng)
+
+
+def test_the_guard_weighs_each_chunks_deviation_by_the_attention_the_answer_gives_it(tiny_model, fixed_profile):
+    """A chunk is flagged when its recomputed tokens' deviation times the last prompt token's
+    attention to it exceeds the threshold: with a threshold between two chunks' products, exactly
+    the chunks above it are recomputed, whatever their deviation alone."""
+    from ragcache_backend.engine import batch
+
+    assert batch.guard_signals({0: 0.3, 1: 0.1, 2: 0.2}, {0: 0.01, 1: 0.5}) == pytest.approx({0: 0.003, 1: 0.05, 2: 0.2})
+    assert batch.guard_flags({0: 0.003, 1: 0.05}, 0.012) == frozenset({1}) and batch.guard_flags({0: 1.0}, None) == frozenset()
+    measure = make(tiny_model, fixed_profile, chunk_guard=1e9, chunk_recompute="share", chunk_share=0.2)
+    measure.generate("What is the GIL?", DOCS[:3], GREEDY)
+    segs, _ = measure.segments_for("What is the GIL?", [DOCS[1], DOCS[2], DOCS[0]], GREEDY)
+    seen = measure.submit_segments(segs, GREEDY, store=False).result().chunk_reuse
+    products = sorted(r.deviation * r.attention for r in seen)
+    assert len(products) == 3 and not any(r.guarded for r in seen)
+    threshold = (products[1] + products[2]) / 2  # only the chunk with the largest product is above
+    eng = make(tiny_model, fixed_profile, chunk_guard=threshold, chunk_recompute="share", chunk_share=0.2)
+    eng.generate("What is the GIL?", DOCS[:3], GREEDY)
+    out = eng.submit_segments(segs, GREEDY, store=False).result()
+    assert out.guarded_chunks == 1 and out.chunk_hits == 2
+    assert [r.guarded for r in out.chunk_reuse] == [r.deviation * r.attention > threshold for r in seen]
     assert_clean(eng)
 
 
