@@ -186,7 +186,8 @@ def main() -> None:
                          "requests_with_chunk_hits": sum(1 for x in rows if x["chunk_hits"]),
                          "worst5_kl": statistics.mean(worst5([x["kl"] for x in rows])), "guarded_chunks": sum(x["guarded"] for x in rows)}
     # the guard's signal (K/V deviation of a chunk's recomputed tokens times the attention the last
-    # token gives the chunk; measured and not acted on) against the first-token KL, over the requests that reused a chunk (issue 24: a guard shown to track the KL)
+    # token gives the chunk; measured and not acted on) against the first-token KL, over the
+    # requests that reused a chunk (issue 24: a guard shown to track the KL)
     pairs = [(r["rules"][signal_only]["deviation"], r["rules"][signal_only]["kl"]) for r in records
              if r["rules"][signal_only]["chunk_hits"]]
     top = worst5(pairs, key=lambda p: p[1])  # the worst 5% by KL
