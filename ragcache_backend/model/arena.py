@@ -182,8 +182,9 @@ class KVArena:
         slots = self.slots([KVRun(tuple(blocks), 0, num_tokens)])
         k = self.k_cache.index_select(1, slots)
         v = self.v_cache.index_select(1, slots)
-        if self.device.type == "cuda":
-            k, v = k.to("cpu").pin_memory(), v.to("cpu").pin_memory()
+        if self.device.type == "cuda":  # one copy, straight into pinned memory (swap_in reads it asynchronously)
+            k = torch.empty(k.shape, dtype=k.dtype, pin_memory=True).copy_(k)
+            v = torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v)
         return HostKV(k=k, v=v)
 
     def swap_in(self, host_kv: HostKV, blocks: Sequence[int]) -> None:
