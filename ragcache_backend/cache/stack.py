@@ -296,8 +296,9 @@ class TierStack:
             self.lock(n)  # room made in host below must not evict the path being extended
         loaded: list[Node] = []
         parent = nodes[-1] if nodes else self.tree.root
-        run = self._disk_run(parent, keys, tokens, len(nodes))
+        run: list[_DiskRead] = []
         try:
+            run = self._disk_run(parent, keys, tokens, len(nodes))
             for i in range(len(nodes), len(keys)):
                 key, want = keys[i], tuple(tokens[i]) if i < len(tokens) else ()
                 if key in parent.children:

@@ -38,11 +38,11 @@ from dataclasses import dataclass
 from ragcache_backend.cache.blocks import KVRun
 from ragcache_backend.cache.chunk_reuse import SINK_KEY, SINK_TOKENS, RecomputeRule, VariantStats, context_keys, stats_from_mass
 from ragcache_backend.cache.lease import ContextPart, Lease, SegmentSpec
+from ragcache_backend.engine.request import ChunkReuse
 from ragcache_backend.errors import InvalidRequestError
 from ragcache_backend.model.arena import KVArena
 from ragcache_backend.model.chunk_rows import BlendSelection, FocusSelection
 from ragcache_backend.model.forward import MAX_STAT_SEGMENTS, ForwardInput, SegmentAttention
-from ragcache_backend.engine.request import ChunkReuse
 from ragcache_backend.prompts.builder import PromptPlan, Segment, SegmentKind, split_blocks
 
 __all__ = ["ChunkLayout", "chunk_attention", "chunk_deviations", "chunk_reuse", "complete_pieces", "context_parts", "copy_variants", "decode_input",
@@ -183,7 +183,8 @@ def prefill_input(plan: PromptPlan, lease: Lease, *, rule: RecomputeRule, guard:
     return item, ChunkLayout(tuple(rows), recorded, stat_keys, tuple(stat_lengths), skip, piece_segment, guard_pieces)
 
 
-def _guard_segments(lease: Lease, reused: Sequence[int], total: int) -> tuple[tuple[int, ...] | None, tuple[tuple[int, int], ...]]:
+def _guard_segments(lease: Lease, reused: Sequence[int],
+                    total: int) -> tuple[tuple[int, ...] | None, tuple[tuple[int, int], ...]]:
     """The guard's segments of a ``total``-token context: each reused piece's span, and the text
     between them; with the piece each span belongs to. ``(None, ())`` past :data:`MAX_STAT_SEGMENTS`."""
     lengths: list[int] = []

@@ -46,11 +46,13 @@ class ChunkReuse:
         recomputed_tokens: its tokens recomputed over this prompt's context (eq. 14; before any
             guard pass).
         deviation: the mean relative change of those tokens' K/V (``||new - old|| / ||old||``,
-            averaged over tokens and layers: the guard's per-chunk signal); None when none was
-            recomputed or the rule has no guard.
+            averaged over tokens and layers); times ``attention``, the guard's signal for this
+            chunk. None when none of its tokens was recomputed or the rule has no guard.
         attention: the attention mass the prompt's last token (the one that yields the first
             output token) gave this chunk's span, averaged over layers and KV heads, in [0, 1]:
-            how much the answer reads it; None when the rule has no guard.
+            how much the answer reads it. None when not measured (the rule has no guard, no
+            reused chunk had tokens recomputed, or its reused chunks and the text between them
+            make more than 64 spans).
         guarded: the quality guard sent it back to full recomputation (it is then no longer
             counted in ``GenerationResult.chunk_hits``).
     """

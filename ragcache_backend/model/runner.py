@@ -228,7 +228,8 @@ class ModelRunner:
                 st.cached_slots.append(cached if cached.numel() else None)
                 st.modes.append(attention_plan(start, n, self.dtype, self.device, decode=item.decode))
                 st.context.append(ctx)
-            if explicit or item.stat_segments is not None or item.guard or item.blend or item.focus or item.guard_segments:
+            if (explicit or item.stat_segments is not None or item.guard or item.blend or item.focus
+                    or item.guard_segments is not None):
                 blend = item.blend
                 if blend is not None and blend.layer > self.num_layers - 2:  # rows must stop before the last layer
                     blend = dataclasses.replace(blend, layer=max(0, self.num_layers - 2))

@@ -161,6 +161,8 @@ def test_the_last_rows_attention_to_guard_segments_matches_the_models_own_weight
         runner.forward_step([ForwardInput(c2, (ps, p1), (b.run(15),), guard_segments=(12, 20))])  # does not cover
     with pytest.raises(InvalidRequestError):
         runner.forward_step([ForwardInput(c2, (ps, p1), (b.run(15),), guard_segments=(12, 0, 20, 15))])  # empty one
+    with pytest.raises(InvalidRequestError):
+        runner.forward_step([ForwardInput(c2, (ps, p1), (b.run(15),), guard_segments=())])  # none at all
 
 
 def test_deviation_is_zero_when_nothing_moved_and_positive_when_the_context_changed(runner):
