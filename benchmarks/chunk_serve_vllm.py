@@ -59,6 +59,7 @@ def main() -> None:
                     help="library-section questions in the pool (chunk_eval's default trace)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--alpha", type=float, default=1.0, help="the chunk engine's CFO scale (chunk_eval's calibrated one)")
+    ap.add_argument("--guard", type=float, default=None, help="the chunk engine's chunk_guard (default: the engine's)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device-mib", type=int, default=2048)
@@ -69,9 +70,10 @@ def main() -> None:
     t0 = time.perf_counter()
     _store, _wl, items = trace(args)
     loaded = load_model(None, dtype=args.dtype)
+    guard = {} if args.guard is None else {"chunk_guard": args.guard}
     cfg = EngineConfig(reuse="auto", chunk_alpha=args.alpha, dtype=args.dtype, threads=args.threads,
                        device_budget_bytes=args.device_mib * MiB, host_budget_bytes=args.host_mib * MiB,
-                       max_batch_size=16, max_batch_tokens=32768)
+                       max_batch_size=16, max_batch_tokens=32768, **guard)
     chunk = RAGCacheEngine(cfg, loaded=loaded)
     rule = cfg.recompute_rule()
     one = SamplingParams(max_tokens=1)
