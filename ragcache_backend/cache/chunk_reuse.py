@@ -236,7 +236,8 @@ class RecomputeRule:
         """A short id of everything that shapes the KV this rule produces (12 hex characters): part
         of the key of every approximate node built under it, so that KV approximated under one rule
         never serves a request that asked for another."""
-        text = (f"{self.kind};{self.alpha!r};{self.share!r};{self.leading};{self.guard!r};{self.focus_window};"
+        guard = "" if self.guard is None else f"x-attention:{self.guard!r}"  # the guard's signal since 2026-11-27
+        text = (f"{self.kind};{self.alpha!r};{self.share!r};{self.leading};{guard};{self.focus_window};"
                 f"{int(self.added_context)}")
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 

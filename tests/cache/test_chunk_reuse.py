@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import pytest
@@ -198,6 +199,10 @@ def test_the_recompute_rules_key_names_everything_that_shapes_its_kv():
     others = [RecomputeRule(alpha=2.5), RecomputeRule(guard=0.3), RecomputeRule("share"), RecomputeRule(focus_window=3),
               RecomputeRule(added_context=False), RecomputeRule("leading", leading=16)]
     assert len({base.key, *(r.key for r in others)}) == 1 + len(others)
+    # the guard's signal changed meaning (deviation x attention since 2026-11-27): the same threshold
+    # under the old signal had this key, and must not serve the new one
+    old_text = "cfo;1.0;0.15;32;0.012;None;1"
+    assert RecomputeRule(guard=0.012).key != hashlib.sha256(old_text.encode()).hexdigest()[:12]
 
 
 def test_a_kl_calibration_turns_a_target_into_the_least_recomputing_scale():
