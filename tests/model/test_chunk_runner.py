@@ -3,6 +3,8 @@ re-rotation of a moved chunk, attention statistics and the KV deviation (Cache-C
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -103,6 +105,15 @@ def test_recomputing_every_token_of_moved_chunks_equals_full_recomputation(runne
     assert (approx - ref).abs().max().item() > 1e-3
 
 
+def _eager_attentions(tiny_model, tokens: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """The model's own attention weights, one ``[1, Hq, T, T]`` per layer, from an eager copy of
+    it (the session's shared model keeps its attention implementation)."""
+    model = copy.deepcopy(tiny_model.model)
+    model.set_attn_implementation("eager")
+    with torch.inference_mode():
+        return model(torch.tensor([tokens], device=tiny_model.device), output_attentions=True).attentions
+
+
 def test_attention_statistics_match_the_models_own_attention_weights(runner, tiny_model):
     b = Blocks()
     sys_, c1, c2 = _toks(12, 11), _toks(20, 12), _toks(15, 13)
@@ -112,14 +123,7 @@ def test_attention_statistics_match_the_models_own_attention_weights(runner, tin
     step = runner.forward_step([ForwardInput(c2, (ps, p1), (p2,), stat_segments=(12, 20, 15))])
     mass = torch.tensor(step.attention[0].mass)  # [15, 3]
     assert mass.shape == (15, 3) and torch.allclose(mass.sum(1), torch.ones(15), atol=1e-5)
-    model = tiny_model.model
-    saved = model.config._attn_implementation
-    model.config._attn_implementation = "eager"
-    try:
-        with torch.inference_mode():
-            att = model(torch.tensor([sys_ + c1 + c2], device=tiny_model.device), output_attentions=True).attentions
-    finally:
-        model.config._attn_implementation = saved
+    att = _eager_attentions(tiny_model, sys_ + c1 + c2)
     # mean over layers and over the first query head of each KV group (heads 0 and 2 of 4)
     probs = torch.stack(att)[:, 0, ::2, 32:, :].mean(dim=(0, 1))  # [15 rows, 47 keys]
     ref = torch.stack([probs[:, :12].sum(1), probs[:, 12:32].sum(1), probs[:, 32:].sum(1)], dim=1).cpu()
@@ -144,14 +148,7 @@ def test_the_last_rows_attention_to_guard_segments_matches_the_models_own_weight
     last = torch.tensor(step.last_mass[0])
     assert last.shape == (3,) and abs(last.sum().item() - 1) < 1e-5
     assert (last - torch.tensor(step.attention[0].mass[-1])).abs().max().item() < 1e-5
-    model = tiny_model.model
-    saved = model.config._attn_implementation
-    model.config._attn_implementation = "eager"
-    try:
-        with torch.inference_mode():
-            att = model(torch.tensor([sys_ + c1 + c2], device=tiny_model.device), output_attentions=True).attentions
-    finally:
-        model.config._attn_implementation = saved
+    att = _eager_attentions(tiny_model, sys_ + c1 + c2)
     probs = torch.stack(att)[:, 0, ::2, -1, :].mean(dim=(0, 1)).cpu()  # the last row, [47 keys]
     ref = torch.stack([probs[:12].sum(), probs[12:32].sum(), probs[32:].sum()])
     assert (last - ref).abs().max().item() < 1e-4
