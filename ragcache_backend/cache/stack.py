@@ -313,7 +313,7 @@ class TierStack:
                     if not self._fill_from_disk(node, read.entry, read.kv):
                         break
                     restore(node, read.entry.variant)
-                elif remote is not None and want and not run:  # an entry is never served without its token ids
+                elif remote is not None and want:  # an entry is never served without its token ids
                     node = self._read_remote(parent, key, pkey, want)
                     if node is None:
                         break
@@ -351,9 +351,7 @@ class TierStack:
             if entries and nbytes > self.host.budget_bytes:
                 break
             entries.append(entry)
-        if len(entries) == 1:
-            return [_DiskRead(entries[0], self.disk.read(entries[0]))]
-        return [_DiskRead(e, kv) for e, kv in zip(entries, self.disk.read_many(entries))]
+        return [_DiskRead(e, kv) for e, kv in zip(entries, self.disk.read_many(entries))]  # one file: read inline
 
     def _read_remote(self, parent: Node, key: SegmentKey, pkey: str, tokens: tuple[int, ...]) -> Node | None:
         """A new host node for ``key`` under ``parent`` from the remote tier, or None (absent,
