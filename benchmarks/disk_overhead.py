@@ -14,8 +14,10 @@ the disk tier; once more, and it comes from device memory.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -49,6 +51,7 @@ def main() -> None:
     requests = [(q.text, [store.get(d) for d in q.doc_ids]) for q in pool]
     loaded = load_model(dtype=args.dtype)
     folder = Path(tempfile.mkdtemp(prefix="ragcache-disk-overhead-"))
+    atexit.register(shutil.rmtree, folder, True)  # its KV files are gone when the run ends, as it ends
     base = dict(dtype=args.dtype, device_budget_bytes=256 * MiB, host_budget_bytes=512 * MiB)
     on = RAGCacheEngine(EngineConfig(disk_dir=folder, **base), loaded=loaded)
     off = RAGCacheEngine(EngineConfig(**base), loaded=loaded, profile=on.profile)

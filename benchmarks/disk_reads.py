@@ -14,7 +14,9 @@ script says so.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -50,6 +52,8 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="folder for the files (default: a temporary one under $TMPDIR)")
     args = ap.parse_args()
     root = Path(args.dir or tempfile.mkdtemp(prefix="ragcache-disk-reads-"))
+    if args.dir is None:
+        atexit.register(shutil.rmtree, root, True)  # a folder of our own: removed when the run ends
     store = DiskStore(root, "bench", LAYOUT, torch.bfloat16, 1 << 40)
     g = torch.Generator().manual_seed(0)
     keys = []
