@@ -287,7 +287,8 @@ class TierStack:
         Stops at the first key not on disk, a file whose recorded tokens differ from ``tokens``
         (per key; empty: not compared), a file that fails verification (deleted, to be
         recomputed), or a host tier with no room. The run of files on disk is read several at
-        once (:meth:`_disk_run`); where it ends, the remote tier is asked key by key."""
+        once (:meth:`_disk_run`); where it ends short of the host tier's budget, the remote tier is
+        asked key by key."""
         disk, remote = self.disk, self.remote
         if ((disk is None and remote is None) or len(nodes) >= len(keys) or any(n.approximate for n in nodes)
                 or not self.host.enabled):
@@ -298,21 +299,23 @@ class TierStack:
         parent = nodes[-1] if nodes else self.tree.root
         run: list[_DiskRead] = []
         try:
-            run = self._disk_run(parent, keys, tokens, len(nodes))
+            run, at_budget = self._disk_run(parent, keys, tokens, len(nodes))
             for i in range(len(nodes), len(keys)):
                 key, want = keys[i], tuple(tokens[i]) if i < len(tokens) else ()
                 if key in parent.children:
                     break
                 pkey = path_key(parent.path_key, key)
                 if run and run[0].entry.path_key == pkey:
-                    read = run.pop(0)
+                    read = run[0]  # stays in the run (freed below) until a node takes its copy
                     if not self.make_host_room(self.host.nbytes(read.entry.num_tokens)):
-                        run.insert(0, read)  # freed below
                         break
                     node = self.tree.add_child(parent, key, read.entry.num_tokens, read.entry.tokens)
+                    run.pop(0)
                     if not self._fill_from_disk(node, read.entry, read.kv):
                         break
                     restore(node, read.entry.variant)
+                elif at_budget:  # on disk past what the host tier holds: not a key to ask Redis for
+                    break
                 elif remote is not None and want:  # an entry is never served without its token ids
                     node = self._read_remote(parent, key, pkey, want)
                     if node is None:
@@ -332,12 +335,13 @@ class TierStack:
         return loaded
 
     def _disk_run(self, parent: Node, keys: Sequence[SegmentKey], tokens: Sequence[Sequence[int]],
-                  start: int) -> list[_DiskRead]:
+                  start: int) -> tuple[list[_DiskRead], bool]:
         """The files of ``keys[start:]`` under ``parent`` that are on disk with the wanted tokens,
         up to the first that is not (or up to the host tier's budget in bytes), read and verified
-        several at once; each with its KV as a host copy (None: gone or damaged)."""
+        several at once; each with its KV as a host copy (None: gone or damaged). With it, whether
+        the run stopped at the budget (the next key is on disk too)."""
         if self.disk is None:
-            return []
+            return [], False
         entries, pkey, nbytes = [], parent.path_key, 0
         for i in range(start, len(keys)):
             key, want = keys[i], tuple(tokens[i]) if i < len(tokens) else ()
@@ -349,9 +353,9 @@ class TierStack:
                 break
             nbytes += self.host.nbytes(entry.num_tokens)
             if entries and nbytes > self.host.budget_bytes:
-                break
+                return [_DiskRead(e, kv) for e, kv in zip(entries, self.disk.read_many(entries))], True
             entries.append(entry)
-        return [_DiskRead(e, kv) for e, kv in zip(entries, self.disk.read_many(entries))]  # one file: read inline
+        return [_DiskRead(e, kv) for e, kv in zip(entries, self.disk.read_many(entries))], False  # one file: read inline
 
     def _read_remote(self, parent: Node, key: SegmentKey, pkey: str, tokens: tuple[int, ...]) -> Node | None:
         """A new host node for ``key`` under ``parent`` from the remote tier, or None (absent,

@@ -186,22 +186,23 @@ def prefill_input(plan: PromptPlan, lease: Lease, *, rule: RecomputeRule, guard:
 def _guard_segments(lease: Lease, reused: Sequence[int],
                     total: int) -> tuple[tuple[int, ...] | None, tuple[tuple[int, int], ...]]:
     """The guard's segments of a ``total``-token context: each reused piece's span, and the text
-    between them; with the piece each span belongs to. ``(None, ())`` past :data:`MAX_STAT_SEGMENTS`."""
-    lengths: list[int] = []
-    pairs: list[tuple[int, int]] = []
+    between them; with the segment each reused piece is measured by. Past :data:`MAX_STAT_SEGMENTS`
+    spans, consecutive spans are merged in equal groups (at most that many): a piece then gets its
+    group's mass, an upper bound on its own, never the unweighted deviation (which the guard's
+    threshold is not set for)."""
+    spans: list[tuple[int, int | None]] = []  # (tokens, the reused piece or None for text between)
     at = 0
     for i in reused:
         piece = lease.pieces[i]
         if piece.start > at:
-            lengths.append(piece.start - at)
-        pairs.append((i, len(lengths)))
-        lengths.append(piece.spec.num_tokens)
+            spans.append((piece.start - at, None))
+        spans.append((piece.spec.num_tokens, i))
         at = piece.start + piece.spec.num_tokens
     if total > at:
-        lengths.append(total - at)
-    if len(lengths) > MAX_STAT_SEGMENTS:
-        return None, ()
-    return tuple(lengths), tuple(pairs)
+        spans.append((total - at, None))
+    per = -(-len(spans) // MAX_STAT_SEGMENTS)  # spans per segment: 1 unless there are too many
+    lengths = tuple(sum(n for n, _ in spans[j : j + per]) for j in range(0, len(spans), per))
+    return lengths, tuple((i, j // per) for j, (_, i) in enumerate(spans) if i is not None)
 
 
 def prefill_tokens(plan: PromptPlan, lease: Lease) -> int:
@@ -375,8 +376,9 @@ def guard_signals(deviations: dict[int, float], attention: dict[int, float]) -> 
     moved (``deviations``) times the attention the prompt's last token gives the piece
     (``attention``): stale KV the answer hardly reads matters little. It picks out the requests
     with the largest first-token KL better than the deviation alone (``docs/benchmarks.md``, "The
-    quality guard weighed by attention", 2026-11-27). A piece whose attention was not measured
-    (more than :data:`MAX_STAT_SEGMENTS` guard segments) keeps its deviation alone: the larger."""
+    quality guard weighed by attention", 2026-11-27). A piece with no attention figure (none is
+    missing from an engine pass: past :data:`MAX_STAT_SEGMENTS` spans a piece gets its group's)
+    keeps its deviation alone: the larger."""
     return {i: d * attention.get(i, 1.0) for i, d in deviations.items()}
 
 

@@ -547,7 +547,7 @@ class EngineCore:
         req.plan = self.prompt_plan(req.segments, use_cache=False)
         req.reuse = "exact"
         req.computed = req.recomputed = req.chunk_cached = req.guarded = req.guard_tokens = 0
-        req.deviation = 0.0
+        req.deviation, req.chunk_reuse = 0.0, ()  # the failed attempt's chunk records go with it
         self.stats.retried += 1
         self.scheduler.remove(req.rid)
         self.scheduler.add(req.rid, 0, req.prompt_tokens, chunkable=req.chunked_prefill)

@@ -43,16 +43,19 @@ class ChunkReuse:
         tokens: its length (tokens).
         cfo: the variant's cache fix overhead for this prompt (eq. 12), the share of its tokens
             the rule chose to recompute, [0, 1].
-        recomputed_tokens: its tokens recomputed over this prompt's context (eq. 14; before any
-            guard pass).
+        recomputed_tokens: its tokens chosen for recomputation over this prompt's context (eq. 14;
+            before any guard pass), counted whole: under ``blend`` or ``focus_window`` a row that
+            stops early counts 1 here but ``l / L`` in ``GenerationResult.recomputed_tokens``, so
+            these records add up to that total only for the other rules.
         deviation: the mean relative change of those tokens' K/V (``||new - old|| / ||old||``,
             averaged over tokens and layers); times ``attention``, the guard's signal for this
             chunk. None when none of its tokens was recomputed or the rule has no guard.
         attention: the attention mass the prompt's last token (the one that yields the first
             output token) gave this chunk's span, averaged over layers and KV heads, in [0, 1]:
-            how much the answer reads it. None when not measured (the rule has no guard, no
-            reused chunk had tokens recomputed, or its reused chunks and the text between them
-            make more than 64 spans).
+            how much the answer reads it. None when not measured (the rule has no guard, or no
+            reused chunk had tokens recomputed). Where its reused chunks and the text between them
+            make more than 64 spans, neighbouring spans are measured together and this is their
+            group's mass (an upper bound on the chunk's own).
         guarded: the quality guard sent it back to full recomputation (it is then no longer
             counted in ``GenerationResult.chunk_hits``).
     """

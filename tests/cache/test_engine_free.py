@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from ragcache_backend.cache.sim_arena import SimArena, disk_store
 from ragcache_backend.cache.tiers import TieredCache
 
@@ -101,6 +103,32 @@ def test_a_restart_reads_the_path_s_files_at_once_and_no_more_than_the_host_tier
     assert hits["disk"] == 4 and hits["cached_tokens"] == 4 * BLOCK
     assert small.disk.stats.loaded == 4 and small.locked_nodes == 0
     assert arena3.live == small.host_used_bytes // arena3.host_nbytes(BLOCK)
+    small.close_disk()
+
+
+def test_a_restart_cut_at_the_host_budget_asks_no_remote_tier_for_what_the_disk_holds(tmp_path, redis_server,
+                                                                                        monkeypatch):
+    """The path's files past what the host tier holds are on disk: the match stops there without
+    a Redis read (one the host tier could not take anyway), and leaves no copy behind."""
+    import dataclasses
+
+    from ragcache_backend.cache.remote import RemoteStore
+    from ragcache_backend.cache.sim_arena import DIM, HEADS, LAYERS
+
+    keyed = core.block_specs  # with each block's token ids, as an engine gives them (the remote tier needs them)
+    monkeypatch.setattr(core, "block_specs", lambda tokens: [
+        dataclasses.replace(s, token_ids=tuple(tokens[i * BLOCK:(i + 1) * BLOCK])) for i, s in enumerate(keyed(tokens))])
+    cache, arena = make(tmp_path / "disk")
+    core.serve(cache, arena, A)
+    cache.persist_pending()
+    cache.close_disk()
+
+    small, arena2 = make(tmp_path / "disk", host_blocks=4)  # room for 4 of the path's 6 blocks
+    small.attach_remote(RemoteStore(redis_server.url, "sim-arena", (LAYERS, HEADS, DIM), torch.float32))
+    hits = core.serve(small, arena2, A)
+    assert hits["disk"] == 4 and hits["cached_tokens"] == 4 * BLOCK
+    assert small.remote.stats.hits == small.remote.stats.misses == small.remote.stats.errors == 0
+    assert small.locked_nodes == 0 and arena2.live == small.host_used_bytes // arena2.host_nbytes(BLOCK)
     small.close_disk()
 
 

@@ -138,6 +138,54 @@ def test_the_guard_weighs_each_chunks_deviation_by_the_attention_the_answer_give
     assert_clean(eng)
 
 
+def test_past_the_segment_cap_the_guard_measures_chunks_in_groups_not_by_deviation_alone(tiny_model, fixed_profile,
+                                                                                         monkeypatch):
+    """More reused chunks (and text between them) than the runner measures segments for: neighbouring
+    spans are measured together and each chunk gets its group's attention (an upper bound on its
+    own), so the guard's product stays on the scale its threshold was set for."""
+    from ragcache_backend.engine import batch
+
+    def seen(cap: int | None):
+        eng = make(tiny_model, fixed_profile, chunk_guard=1e9, chunk_recompute="share", chunk_share=0.2)
+        eng.generate("What is the GIL?", DOCS[:3], GREEDY)
+        segs, _ = eng.segments_for("What is the GIL?", [DOCS[1], DOCS[2], DOCS[0]], GREEDY)
+        if cap is not None:  # the variants were recorded under the real cap; this request measures under a lower one
+            monkeypatch.setattr(batch, "MAX_STAT_SEGMENTS", cap)
+        out = eng.submit_segments(segs, GREEDY, store=False).result().chunk_reuse
+        assert_clean(eng)
+        return out
+
+    own, grouped = seen(None), seen(2)  # three chunks and the text around them: more than 2 spans
+    assert len(own) == len(grouped) == 3 and all(r.attention is not None for r in own + grouped)
+    assert all(g.attention >= o.attention - 1e-6 for o, g in zip(own, grouped))  # a group's mass bounds its members'
+    assert sum(set(r.attention for r in grouped)) <= 1.0 + 1e-6 and len(set(r.attention for r in grouped)) <= 2
+    assert [r.deviation for r in grouped] == pytest.approx([r.deviation for r in own], rel=1e-5)
+
+
+def test_a_retried_chunk_request_reports_no_chunk_records_of_its_failed_attempt(tiny_model, fixed_profile, monkeypatch):
+    """The guard's second pass fails (a device error, say): the request is retried by recomputation
+    in exact mode, and its result lists no chunk of the attempt that failed."""
+    eng = make(tiny_model, fixed_profile, chunk_guard=1e-6, chunk_recompute="share", chunk_share=0.2)
+    eng.generate("What is the GIL?", DOCS[:3], GREEDY)
+    segs, _ = eng.segments_for("What is the GIL?", [DOCS[1], DOCS[2], DOCS[0]], GREEDY)
+    ref = eng.generate("What is the GIL?", [DOCS[1], DOCS[2], DOCS[0]], GREEDY, use_cache=False)
+    real, prefills = eng.runner.forward_step, []
+
+    def forward(inputs, **kw):
+        if any(not i.decode for i in inputs):
+            prefills.append(1)
+            if len(prefills) == 2:  # the guard's second pass
+                raise RuntimeError("injected forward failure")
+        return real(inputs, **kw)
+
+    monkeypatch.setattr(eng.runner, "forward_step", forward)
+    out = eng.submit_segments(segs, GREEDY).result()
+    assert eng.stats.retried == 1 and len(prefills) == 3
+    assert out.reuse == "exact" and out.chunk_hits == 0 and out.guarded_chunks == 0 and out.chunk_reuse == ()
+    assert out.token_ids == ref.token_ids
+    assert_clean(eng)
+
+
 def test_the_guards_second_pass_starts_at_the_first_flagged_chunk_and_is_counted(tiny_model, fixed_profile):
     eng = make(tiny_model, fixed_profile, chunk_guard=1e-6, chunk_recompute="share", chunk_share=0.2)
     eng.generate("What is the GIL?", DOCS[:3], GREEDY)
