@@ -305,10 +305,12 @@ class DiskStore:
         :meth:`close`, the files are read one after another."""
         if len(entries) < 2 or self._closed:
             return [self.load(e) for e in entries]
-        with self._lock:
-            if self._readers is None:
+        with self._lock:  # closed meanwhile (checked again here): no pool made that close() would not stop
+            if self._readers is None and not self._closed:
                 self._readers = ThreadPoolExecutor(self.READ_THREADS, thread_name_prefix="ragcache-disk-read")
             readers = self._readers
+        if readers is None:
+            return [self.load(e) for e in entries]
         t0 = time.perf_counter()
         try:
             reads = list(readers.map(self._read, entries))
