@@ -20,10 +20,13 @@ import torch
 from ragcache_backend.errors import InvalidRequestError
 from ragcache_backend.model.grammar import Grammar
 
-__all__ = ["MAX_LOGPROBS", "SampledToken", "SamplingParams", "TopLogprob", "choose_token", "sample_token"]
+__all__ = ["MAX_LOGPROBS", "SEED_MAX", "SEED_MIN", "SampledToken", "SamplingParams", "TopLogprob", "choose_token", "sample_token"]
 
 #: The most alternatives ``logprobs`` may ask for per token (OpenAI's limit).
 MAX_LOGPROBS = 20
+
+#: The seeds a generator takes (``torch.Generator.manual_seed``: any 64-bit value, signed or not).
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 
 
 @dataclass(slots=True, frozen=True)
@@ -35,7 +38,8 @@ class SamplingParams:
         temperature: 0.0 means greedy (argmax); otherwise logits are divided by it.
         top_p: nucleus mass in (0, 1]; 1.0 disables the cut.
         stop: strings that end generation; the matched stop string is not returned.
-        seed: seed of the per-request generator (only used when temperature > 0).
+        seed: seed of the per-request generator (only used when temperature > 0), in
+            [:data:`SEED_MIN`, :data:`SEED_MAX`].
         top_k: keep the k most likely tokens (>= 1); 0 or -1 disables the cut (vLLM's convention).
         min_p: drop tokens whose probability is below ``min_p`` times the most likely one's, in [0, 1].
         repetition_penalty: > 0; a token already in the prompt or the output has its logit divided
@@ -70,6 +74,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise InvalidRequestError(f"seed must be in [{SEED_MIN}, {SEED_MAX}] (64 bits), got {self.seed}")
         if not self.temperature >= 0.0 or math.isinf(self.temperature):
             raise InvalidRequestError(f"temperature must be >= 0 and finite, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

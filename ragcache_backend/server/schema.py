@@ -33,10 +33,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ragcache_backend.engine.request import GenerationResult
-from ragcache_backend.model.sampling import MAX_LOGPROBS
+from ragcache_backend.model.sampling import MAX_LOGPROBS, SEED_MAX, SEED_MIN
 from ragcache_backend.prompts.builder import MAX_SALT_CHARS  # the longest salt a segment accepts
 
 #: The most choices (``n``) one request may ask for.
@@ -53,11 +53,38 @@ __all__ = [
 ]
 
 
-class _Strict(BaseModel):
+def _utf8_only(value: Any) -> None:
+    """Raise ValueError on a string UTF-8 cannot encode (a lone UTF-16 surrogate, which JSON's
+    ``\\ud800`` escapes can carry), anywhere in ``value`` (dicts, lists, keys included)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"text must be valid Unicode: a lone surrogate at character {exc.start}") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _utf8_only(key)
+            _utf8_only(item)
+    elif isinstance(value, list):
+        for item in value:
+            _utf8_only(item)
+
+
+class _Checked(BaseModel):
+    """Every string of the body must be text the tokenizer can take (a 400, not a crash inside)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        _utf8_only(data)
+        return data
+
+
+class _Strict(_Checked):
     model_config = ConfigDict(extra="forbid")
 
 
-class _Open(BaseModel):
+class _Open(_Checked):
     """A sub-object whose unknown keys are ignored (clients add vendor keys to these)."""
 
     model_config = ConfigDict(extra="ignore")
@@ -104,7 +131,7 @@ class _GenerationFields(_Strict):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, ge=1, le=MAX_CHOICES)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from ragcache_backend.engine.engine import RAGCacheEngine
 from ragcache_backend.engine.request import GenerationResult, StreamChunk
 from ragcache_backend.errors import ContextWindowError, InvalidRequestError
-from ragcache_backend.model.sampling import SamplingParams
+from ragcache_backend.model.sampling import SEED_MAX, SamplingParams
 from ragcache_backend.prompts.builder import MAX_SALT_CHARS
 from ragcache_backend.prompts.recognition import SegmentedPrompt
 from ragcache_backend.retrieval.documents import Document
@@ -100,10 +100,12 @@ class PreparedRequest:
     constraints: OutputConstraints = OutputConstraints()
 
     def sampling_for(self, index: int) -> SamplingParams:
-        """Choice ``index``'s sampling: a seeded request's choices get seeds ``seed + index``."""
+        """Choice ``index``'s sampling: a seeded request's choices get seeds ``seed + index``
+        (wrapped within the 64 bits a seed has)."""
         if index == 0 or self.sampling.seed is None:
             return self.sampling
-        return dataclasses.replace(self.sampling, seed=self.sampling.seed + index)
+        seed = self.sampling.seed + index
+        return dataclasses.replace(self.sampling, seed=seed - (1 << 64) if seed > SEED_MAX else seed)
 
 
 def _sse(payload: str) -> str:

@@ -71,6 +71,7 @@ def test_seeded_draws_repeat():
     {"top_k": -2}, {"min_p": 1.5}, {"repetition_penalty": 0.0}, {"repetition_penalty": float("inf")},
     {"presence_penalty": 2.5}, {"frequency_penalty": -3}, {"logprobs": 21}, {"logprobs": -1},
     {"logit_bias": {-1: 1.0}}, {"logit_bias": {"5": 1.0}}, {"logit_bias": {5: 101}}, {"temperature": float("nan")},
+    {"seed": 1 << 64}, {"seed": -(1 << 63) - 1},
 ])
 def test_out_of_range_values_are_refused(kw):
     with pytest.raises(InvalidRequestError):

@@ -90,6 +90,8 @@ def assert_error(response: httpx.Response, status: int, code: str | None = None,
      "messages[0].tool_calls"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "invalid_value", None),
     ("/v1/chat/completions", {"messages": HI, "reuse": "fuzzy"}, 400, "invalid_value", "reuse"),
+    ("/v1/chat/completions", {"messages": HI, "seed": 1 << 64}, 400, "invalid_value", "seed"),
+    ("/v1/completions", {"prompt": "hi", "seed": -(1 << 63) - 1}, 400, "invalid_value", "seed"),
     ("/v1/chat/completions", {"messages": HI, "cache_salt": "s" * 300}, 400, "invalid_value", "cache_salt"),
     ("/v1/chat/completions", {"messages": [{"role": "system", "content": "x"}], "documents": [DOC]}, 400, None,
      "documents"),
@@ -104,6 +106,29 @@ def assert_error(response: httpx.Response, status: int, code: str | None = None,
 async def test_bad_requests_are_openai_errors(api, path, body, status, code, param):
     assert_error(await api.post(path, json=body), status, code, param)
     assert (await api.get("/health")).json()["status"] == "ok"
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "h\\ud800i"}], "max_tokens": 2}'),
+    ("/v1/completions", b'{"prompt": "h\\udfffi", "max_tokens": 2}'),
+    ("/tokenize", b'{"prompt": "h\\ud800i"}'),
+    ("/v1/embeddings", b'{"input": ["ok", "h\\ud800i"]}'),
+])
+async def test_a_lone_surrogate_in_text_is_a_400_not_a_crash(api, path, body):
+    """JSON's \\uXXXX escapes can carry half a UTF-16 pair, which no tokenizer takes."""
+    error = assert_error(await api.post(path, content=body, headers={"content-type": "application/json"}), 400,
+                         "invalid_value")
+    assert "surrogate" in error["message"]
+    ok = await api.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+
+
+async def test_seeds_at_the_ends_of_the_64_bit_range_are_served_for_every_choice(api):
+    for seed in ((1 << 64) - 1, -(1 << 63)):
+        response = await api.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 2, "n": 2, "seed": seed,
+                                                                "temperature": 1.0})
+        assert response.status_code == 200, response.text
+        assert len(response.json()["choices"]) == 2
 
 
 async def test_standard_client_fields_are_accepted(api):
