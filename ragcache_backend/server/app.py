@@ -22,6 +22,7 @@ import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import FrameType
 from typing import TypeVar
@@ -141,6 +142,13 @@ def app_over(slot: ServiceSlot, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="ragcache", summary="OpenAI-compatible API with document-level KV caching",
                   responses={400: {"model": ErrorResponse}})
     app.state.slot = slot
+    # Prompts are built (chat template, tokenizer, document recognition, grammars) on one thread of
+    # their own: a multi-megabyte body takes seconds to tokenize, and on the event loop that stalled
+    # every stream and /health meanwhile. One thread: the prompt assembler's registry sees one caller.
+    prompting = ThreadPoolExecutor(1, thread_name_prefix="ragcache-prompt")
+
+    async def off_loop(fn: Callable[..., T], *args) -> T:
+        return await asyncio.get_running_loop().run_in_executor(prompting, fn, *args)
 
     def failed(path: str, status: int) -> None:
         if slot.ready:
@@ -168,6 +176,7 @@ def app_over(slot: ServiceSlot, settings: ServerSettings) -> FastAPI:
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error in %s", request.url.path)
+        failed(request.url.path, 500)
         return _error_response(APIError(500, f"internal error: {type(exc).__name__}", type="server_error",
                                         code="internal_error"))
 
@@ -193,7 +202,7 @@ def app_over(slot: ServiceSlot, settings: ServerSettings) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request,
                                x_cache_salt: str | None = Header(None)):
         service = slot.get()
-        req = service.prepare(body, x_cache_salt)
+        req = await off_loop(service.prepare, body, x_cache_salt)
         if req.stream:
             return _EventStream(await service.open_stream(req))
         return await _unless_disconnected(request, service.generate(req))
@@ -201,7 +210,7 @@ def app_over(slot: ServiceSlot, settings: ServerSettings) -> FastAPI:
     @v1.post("/completions", response_model=CompletionResponse, response_model_exclude_none=True)
     async def completions(body: CompletionRequest, request: Request, x_cache_salt: str | None = Header(None)):
         service = slot.get()
-        req = service.prepare(body, x_cache_salt)
+        req = await off_loop(service.prepare, body, x_cache_salt)
         if req.stream:
             return _EventStream(await service.open_stream(req))
         return await _unless_disconnected(request, service.generate(req))
@@ -219,7 +228,7 @@ def app_over(slot: ServiceSlot, settings: ServerSettings) -> FastAPI:
 
     @plain.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        return tokens().tokenize(body)
+        return await off_loop(tokens().tokenize, body)
 
     @plain.post("/detokenize", response_model=DetokenizeResponse)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:

@@ -131,6 +131,20 @@ async def test_seeds_at_the_ends_of_the_64_bit_range_are_served_for_every_choice
         assert len(response.json()["choices"]) == 2
 
 
+async def test_a_huge_prompt_is_tokenized_off_the_event_loop(api):
+    """A multi-megabyte body takes seconds to tokenize before it is refused as too long: /health
+    and other requests are answered meanwhile (it ran on the event loop and stalled them all)."""
+    import asyncio
+
+    big = asyncio.ensure_future(api.post("/v1/completions", json={"prompt": "word " * 400_000, "max_tokens": 2}))
+    await asyncio.sleep(0.05)
+    health = await api.get("/health")
+    assert health.status_code == 200 and not big.done()  # answered while the big prompt was still being tokenized
+    assert_error(await big, 400, "context_length_exceeded", "prompt")
+    ok = await api.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+
+
 async def test_standard_client_fields_are_accepted(api):
     body = {"messages": [{"role": "developer", "content": "Be brief."}, *HI], "n": 1, "user": "u", "seed": 3,
             "logprobs": False, "presence_penalty": 0, "frequency_penalty": 0.0, "response_format": {"type": "text"},
