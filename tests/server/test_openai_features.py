@@ -130,6 +130,36 @@ def test_logprobs_and_several_choices(client):
     assert len({c.message.content for c in many.choices}) > 1
 
 
+def _named_bytes(name: str) -> bytes:
+    """A logprobs token name back to its bytes (``bytes:\\xNN...`` for part of a character)."""
+    if name.startswith("bytes:"):
+        return bytes(int(h, 16) for h in name[len("bytes:"):].split("\\x")[1:])
+    return name.encode("utf-8")
+
+
+def test_logprobs_of_tokens_inside_a_character_carry_their_real_bytes(client):
+    """SmolLM2 spells an emoji or an accented capital over several tokens, each part of one UTF-8
+    character: each token's ``bytes`` are its own (they join into the answer's text), its name is
+    ``bytes:\\xNN...`` as OpenAI's, and a completion's ``text_offset`` stays within the text."""
+    forced = {"structured_outputs": {"regex": "\U0001F409\u00c0 ok"}}
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "Draw a dragon."}], max_tokens=12,
+                                          temperature=0, logprobs=True, top_logprobs=2, model=openai.NOT_GIVEN,
+                                          extra_body=forced)
+    text, content = chat.choices[0].message.content, chat.choices[0].logprobs.content
+    assert text == "\U0001F409\u00c0 ok" and len(content) > 3  # the emoji and the letter take several tokens
+    assert b"".join(bytes(c.bytes) for c in content) == text.encode("utf-8")
+    assert all(_named_bytes(c.token) == bytes(c.bytes) and "\ufffd" not in c.token for c in content)
+    assert any(c.token.startswith("bytes:\\x") for c in content)
+    assert all(_named_bytes(t.token) == bytes(t.bytes) for c in content for t in c.top_logprobs)
+    done = client.completions.create(prompt="A dragon:", max_tokens=12, temperature=0, logprobs=1,
+                                     model=openai.NOT_GIVEN, extra_body=forced)
+    text, lp = done.choices[0].text, done.choices[0].logprobs
+    assert text == "\U0001F409\u00c0 ok" and b"".join(_named_bytes(t) for t in lp.tokens) == text.encode("utf-8")
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0 and lp.text_offset[-1] < len(text)
+    raw = [_named_bytes(t) for t in lp.tokens]  # each offset: the characters its predecessors complete
+    assert lp.text_offset == [len(b"".join(raw[:i]).decode("utf-8", errors="ignore")) for i in range(len(raw))]
+
+
 def test_penalties_reduce_repetition(client):
     """Greedy SmolLM2 lists the days of the week over and over (the same token 20 times in 48);
     the frequency and repetition penalties break the loop."""
