@@ -84,9 +84,12 @@ def chat_turns(messages: Sequence[ChatMessage]) -> list[ChatTurn]:
         if isinstance(content, list):
             parts = []
             for j, part in enumerate(content):
-                if part.type != "text" or part.text is None:
+                if part.type != "text":
                     raise APIError(400, f"message {i} has a {part.type!r} content part; only text is supported",
                                    param=f"messages[{i}].content[{j}]", code="unsupported_content")
+                if part.text is None:
+                    raise APIError(400, f"message {i}: its text content part {j} has no 'text'",
+                                   param=f"messages[{i}].content[{j}].text", code="invalid_value")
                 parts.append(part.text)
             content = "".join(parts)
         content = content or ""
