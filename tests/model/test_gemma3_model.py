@@ -60,3 +60,18 @@ def test_gemma3_270m_answers_the_same_with_the_cache_and_without(gemma, fixed_pr
     print(f"prompt {len(ids)} tokens; max |logit - transformers'| {diff:.2e} (logits up to {ref.abs().max().item():.1f})")
     assert cached == len(ids) - 1 and diff < 1e-3
     engine.close()
+
+
+def test_gemma3_token_bytes_join_into_the_text_through_byte_fallback_pieces(gemma):
+    """Logprobs' ``bytes`` (server/outputs.py) on a SentencePiece tokenizer: characters outside the
+    vocabulary are ``<0xNN>`` pieces, one byte each, named ``bytes:\\xNN``; pieces with ``▁`` are
+    spaces; every token's bytes join into the text."""
+    from ragcache_backend.server.outputs import token_bytes, token_name
+
+    tok = gemma.tokenizer
+    for text in ["𓀀𐌰 À é 适合 ok", "  two  spaces\n\nnew"]:
+        ids = tok.encode(text, add_special_tokens=False)
+        raw = [token_bytes(tok, i) for i in ids]
+        assert b"".join(raw) == text.encode("utf-8")
+    pieces = [token_name(token_bytes(tok, i)) for i in tok.encode("𓀀 ok", add_special_tokens=False)]
+    assert pieces == ["bytes:\\xf0", "bytes:\\x93", "bytes:\\x80", "bytes:\\x80", " ok"]
