@@ -50,6 +50,7 @@ from ragcache_backend.server.schema import (
     EmbeddingResponse,
     ErrorResponse,
     HealthResponse,
+    ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
@@ -218,6 +219,15 @@ def app_over(slot: ServiceSlot, settings: ServerSettings) -> FastAPI:
     @v1.get("/models", response_model=ModelList)
     async def models() -> ModelList:
         return slot.get().models()
+
+    @v1.get("/models/{model_id:path}", response_model=ModelCard)
+    async def model(model_id: str) -> ModelCard:
+        """The SDK's ``models.retrieve``: the served model's card, else 404 ``model_not_found``."""
+        card = slot.get().models().data[0]
+        if model_id != card.id:
+            raise APIError(404, f"the model {model_id!r} does not exist; this server serves {card.id!r}",
+                           param="model", code="model_not_found")
+        return card
 
     @v1.post("/embeddings", response_model=EmbeddingResponse)
     async def embeddings(body: EmbeddingRequest) -> EmbeddingResponse:

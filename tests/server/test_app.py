@@ -195,6 +195,9 @@ async def test_vllm_extensions_return_token_ids_and_kv_transfer_params(api, engi
     assert len(done.json()["choices"][0]["token_ids"]) == 2
     models = (await api.get("/v1/models")).json()
     assert models["data"][0]["max_model_len"] == engine.loaded.context_window
+    name = models["data"][0]["id"]  # one model: the SDK's models.retrieve(name), and 404 for any other
+    assert (await api.get(f"/v1/models/{name}")).json() == models["data"][0]
+    assert_error(await api.get("/v1/models/not-this-one"), 404, "model_not_found", "model")
 
 
 async def test_documents_inserted_and_recognised(api):
