@@ -10,6 +10,28 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+__all__ = ["IncrementalText", "held_back"]
+
+
+def held_back(text: str, stops: Sequence[str]) -> int:
+    """The length of the longest end of ``text`` that is a proper prefix of a stop string (it may
+    still become that stop string, so it is not released yet): the largest ``k < len(s)`` with
+    ``text.endswith(s[:k])`` over ``stops``, 0 if none. Only positions of ``text`` holding a stop
+    string's first character are tried, each compared once, so a stop string of any length costs
+    about the text's length, not its own squared (this runs on the engine thread, every token)."""
+    hold = 0
+    for s in stops:
+        m = min(len(s) - 1, len(text))
+        if m < 1:
+            continue
+        j = text.find(s[0], len(text) - m)
+        while j != -1 and len(text) - j > hold:
+            if s.startswith(text[j:]):  # the leftmost such position: the longest end for this stop
+                hold = len(text) - j
+                break
+            j = text.find(s[0], j + 1)
+    return hold
+
 
 @dataclass(slots=True)
 class IncrementalText:
@@ -36,8 +58,7 @@ class IncrementalText:
             return self._emit(text[:cut])
         if text.endswith("\ufffd"):  # incomplete multi-byte character
             return ""
-        hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-        return self._emit(text[: len(text) - hold])
+        return self._emit(text[: len(text) - held_back(text, self.stop)])
 
     def flush(self) -> str:
         """At the end of generation: release whatever is held back (no stop string completed)."""
