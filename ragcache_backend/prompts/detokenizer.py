@@ -16,9 +16,10 @@ __all__ = ["IncrementalText", "held_back"]
 def held_back(text: str, stops: Sequence[str]) -> int:
     """The length of the longest end of ``text`` that is a proper prefix of a stop string (it may
     still become that stop string, so it is not released yet): the largest ``k < len(s)`` with
-    ``text.endswith(s[:k])`` over ``stops``, 0 if none. Only positions of ``text`` holding a stop
-    string's first character are tried, each compared once, so a stop string of any length costs
-    about the text's length, not its own squared (this runs on the engine thread, every token)."""
+    ``text.endswith(s[:k])`` over ``stops``, 0 if none. Only the positions of the text's last
+    ``len(s) - 1`` characters that hold the stop string's first character are tried, so the work
+    is bounded by the text's length (squared at worst, for a text of that one character), never by
+    the stop string's length squared (this runs on the engine thread, every token)."""
     hold = 0
     for s in stops:
         m = min(len(s) - 1, len(text))
