@@ -342,7 +342,7 @@ class TierStack:
         the run stopped at the budget (the next key is on disk too)."""
         if self.disk is None:
             return [], False
-        entries, pkey, nbytes = [], parent.path_key, 0
+        entries, pkey, nbytes, at_budget = [], parent.path_key, 0, False
         for i in range(start, len(keys)):
             key, want = keys[i], tuple(tokens[i]) if i < len(tokens) else ()
             if i == start and key in parent.children:
@@ -353,9 +353,10 @@ class TierStack:
                 break
             nbytes += self.host.nbytes(entry.num_tokens)
             if entries and nbytes > self.host.budget_bytes:
-                return [_DiskRead(e, kv) for e, kv in zip(entries, self.disk.read_many(entries))], True
+                at_budget = True
+                break
             entries.append(entry)
-        return [_DiskRead(e, kv) for e, kv in zip(entries, self.disk.read_many(entries))], False  # one file: read inline
+        return [_DiskRead(e, kv) for e, kv in zip(entries, self.disk.read_many(entries))], at_budget  # one file: inline
 
     def _read_remote(self, parent: Node, key: SegmentKey, pkey: str, tokens: tuple[int, ...]) -> Node | None:
         """A new host node for ``key`` under ``parent`` from the remote tier, or None (absent,

@@ -70,8 +70,13 @@ def _utf8_only(value: Any) -> None:
             _utf8_only(item)
 
 
-class _Checked(BaseModel):
-    """Every string of the body must be text the tokenizer can take (a 400, not a crash inside)."""
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Request(_Strict):
+    """A request body: every string in it (nested objects included, checked once here) must be
+    text the tokenizer can take (a 400, not a crash inside)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -80,11 +85,7 @@ class _Checked(BaseModel):
         return data
 
 
-class _Strict(_Checked):
-    model_config = ConfigDict(extra="forbid")
-
-
-class _Open(_Checked):
+class _Open(BaseModel):
     """A sub-object whose unknown keys are ignored (clients add vendor keys to these)."""
 
     model_config = ConfigDict(extra="ignore")
@@ -123,7 +124,7 @@ class ChatMessage(_Open):
     function_call: dict[str, Any] | None = None
 
 
-class _GenerationFields(_Strict):
+class _GenerationFields(_Request):
     """Fields shared by both endpoints."""
 
     model: str | None = None
@@ -512,7 +513,7 @@ class ErrorResponse(BaseModel):
 
 
 # ---- token and embedding utilities ------------------------------------------------------------------
-class TokenizeRequest(_Strict):
+class TokenizeRequest(_Request):
     """``POST /tokenize`` (vLLM's): a ``prompt`` as is, or chat ``messages`` through the chat template
     (with the assistant turn opened), as generation would see them."""
 
@@ -529,7 +530,7 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(_Request):
     """``POST /detokenize`` (vLLM's): token ids back to text."""
 
     model: str | None = None
@@ -540,7 +541,7 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-class EmbeddingRequest(_Strict):
+class EmbeddingRequest(_Request):
     """``POST /v1/embeddings``: the retrieval embedder's vectors (L2-normalised float32)."""
 
     input: str | list[str] = Field(..., min_length=1)
