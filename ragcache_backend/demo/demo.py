@@ -31,10 +31,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ragcache_backend.engine.setup import REFERENCE_PROFILE, reference_profile
+from ragcache_backend.engine.setup import REFERENCE_PROFILE, REFERENCE_PROFILE_BF16, reference_profile
 from ragcache_backend.errors import InvalidRequestError
 
-__all__ = ["REFERENCE_PROFILE", "DemoRecord", "DemoReport", "reference_profile", "run_demo", "write_report"]
+__all__ = ["REFERENCE_PROFILE", "REFERENCE_PROFILE_BF16", "DemoRecord", "DemoReport", "reference_profile", "run_demo", "write_report"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -166,7 +166,7 @@ def run_demo(engine, store, questions: Sequence[str], *, k: int, num_questions: 
         document_recurrence=recurrence([ids[i] for i in picked]), model=engine.model_name,
         machine=f"{platform.machine()} {os.cpu_count()} cores, {platform.system()} {platform.release()}",
         date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        config={"k": k, "max_tokens": max_tokens, "seed": seed, "dtype": cfg.dtype, "policy": cfg.policy,
+        config={"k": k, "max_tokens": max_tokens, "seed": seed, "dtype": str(engine.dtype).removeprefix("torch."), "policy": cfg.policy,
                 "threads": cfg.threads, "device_budget_bytes": cfg.device_budget_bytes,
                 "host_budget_bytes": cfg.host_budget_bytes, "block_size": cfg.block_size,
                 "corpus_chunks": len(store), "questions_in_pool": len(questions)},

@@ -504,7 +504,7 @@ class EngineCore:
         block_tokens = self.block_tokens
         if block_tokens is None or not req.store or req.lease is None or req.retried:
             return
-        fed = req.generated[:-1] if self.config.dtype == "float32" else []
+        fed = req.generated[:-1] if self.loaded.dtype == torch.float32 else []
         specs = batch.tail_block_specs(req.plan, fed, block_tokens, req.segments[-1].salt if req.segments else "")
         repeat = req.plan.repeat if req.plan.rest_blocks else None
         if not specs and repeat is None:

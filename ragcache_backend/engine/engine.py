@@ -109,6 +109,12 @@ class RAGCacheEngine(EngineCore):
     def model_name(self) -> str:
         return self.loaded.name
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weights' and the KV's dtype (``EngineConfig.dtype`` resolved: ``"auto"`` picks
+        bfloat16 where the native bf16 kernels run, :func:`~ragcache_backend.model.loader.choose_dtype`)."""
+        return self.loaded.dtype
+
     def segments_for(
         self, question: str, documents: Sequence[DocumentLike], sampling: SamplingParams, *,
         question_first: bool = False,

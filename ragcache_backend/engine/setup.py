@@ -33,10 +33,11 @@ from ragcache_backend.prompts.builder import PromptBuilder
 
 log = logging.getLogger(__name__)
 
-#: The prefill profile shipped for the default model in float32 (see :func:`reference_profile`).
+#: The prefill profiles shipped for the default model in float32 and in bfloat16 (see :func:`reference_profile`).
 REFERENCE_PROFILE = Path(__file__).with_name("reference_profile.json")
+REFERENCE_PROFILE_BF16 = Path(__file__).with_name("reference_profile_bf16.json")
 
-__all__ = ["REFERENCE_PROFILE", "EngineParts", "build_parts", "reference_profile", "stop_token_ids"]
+__all__ = ["REFERENCE_PROFILE", "REFERENCE_PROFILE_BF16", "EngineParts", "build_parts", "reference_profile", "stop_token_ids"]
 
 
 @dataclass(slots=True)
@@ -78,7 +79,7 @@ def build_parts(config: EngineConfig, *, loaded: LoadedModel | None = None, prof
     cfg = config
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    loaded = loaded or load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
+    loaded = loaded or load_model(cfg.model, dtype=cfg.load_dtype(), device=cfg.device)
     block_bytes = kv_bytes_per_token(loaded) * cfg.block_size
     num_blocks = cfg.device_budget_bytes // block_bytes
     if num_blocks < 1:
@@ -108,12 +109,14 @@ def build_parts(config: EngineConfig, *, loaded: LoadedModel | None = None, prof
 
 
 def reference_profile(model: str | os.PathLike[str] | None, dtype: str, device: str | None) -> PrefillProfile | None:
-    """The prefill profile shipped for the default model (SmolLM2-135M-Instruct, float32, CPU),
-    when ``model`` is that model run in float32 on the CPU; None otherwise (the engine then
-    measures this machine's profile, ~45 s on 2 cores, once). Measured by
-    ``benchmarks/reference_profile.py`` with the engine's own procedure, 1 thread, on a shared
-    2-core AMD EPYC without AVX-512 (the minimum of 2 rounds; 2-thread timings there were
-    dominated by the other jobs' load).
+    """The prefill profile shipped for the default model (SmolLM2-135M-Instruct) on the CPU, when
+    ``model`` is that model and ``dtype`` (a name, or ``"auto"``:
+    :func:`~ragcache_backend.model.loader.choose_dtype`) is float32 or bfloat16; None otherwise (the
+    engine then measures this machine's profile, ~45 s on 2 cores, once). Measured by
+    ``benchmarks/reference_profile.py`` with the engine's own procedure: float32 with 1 thread on a
+    shared 2-core AMD EPYC without AVX-512 (the minimum of 2 rounds; 2-thread timings there were
+    dominated by the other jobs' load), bfloat16 on the native kernels with 2 threads on a 2-core
+    AMD EPYC Zen 5 with AVX512-BF16.
 
     PGDSF uses the profile only to rank tree nodes for eviction (cost per token of recomputing a
     node); a profile measured on another CPU differs from this one's mostly by a common factor,
@@ -124,21 +127,22 @@ def reference_profile(model: str | os.PathLike[str] | None, dtype: str, device: 
 
     Raises CorruptFileError when the shipped file fails its checksum.
     """
-    from ragcache_backend.model.loader import default_model_path, resolve_model
+    from ragcache_backend.model.loader import choose_dtype, default_model_path, resolve_model
 
-    if dtype != "float32" or (device not in (None, "cpu")):
-        return None
-    try:
-        if resolve_model(model).resolve() != default_model_path().resolve():
-            return None
-    except ModelLoadError:  # no such model: the engine reports it when it loads
+    if device not in (None, "cpu"):
         return None
     import torch
 
     if device is None and torch.cuda.is_available():
         return None
-    return PrefillProfile.load(REFERENCE_PROFILE)
-
+    try:
+        if resolve_model(model).resolve() != default_model_path().resolve():
+            return None
+        chosen = choose_dtype(dtype, model, "cpu").dtype
+    except ModelLoadError:  # no such model or dtype: the engine reports it when it loads
+        return None
+    shipped = {torch.float32: REFERENCE_PROFILE, torch.bfloat16: REFERENCE_PROFILE_BF16}.get(chosen)
+    return None if shipped is None else PrefillProfile.load(shipped)
 
 
 def load_or_measure_profile(cfg: EngineConfig, loaded: LoadedModel, runner: ModelRunner,
@@ -156,7 +160,7 @@ def load_or_measure_profile(cfg: EngineConfig, loaded: LoadedModel, runner: Mode
     if path.exists():
         return PrefillProfile.load(path)
     if cfg.profile_path is None:
-        shipped = reference_profile(cfg.model, cfg.dtype, cfg.device)
+        shipped = reference_profile(cfg.model, str(loaded.dtype).removeprefix("torch."), cfg.device)
         if shipped is not None:  # PGDSF only ranks nodes with it: no 45 s measurement before serving
             log.info("prefill profile: the one shipped for the default model (%s); none measured on this machine",
                      REFERENCE_PROFILE.name)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ragcache_backend.errors import ModelLoadError
-from ragcache_backend.model.arch import FAMILIES, describe
+from ragcache_backend.model.arch import FAMILIES, context_window, describe, layer_windows
 from ragcache_backend.model.packaged import GEMMA3_NAME, converted_gguf, gemma3_270m_path
 
 log = logging.getLogger(__name__)
@@ -215,30 +215,74 @@ def check_architecture(path: Path) -> str:
     return architecture
 
 
-def load_model(
-    model: str | os.PathLike[str] | None = None,
-    *,
-    dtype: str = "float32",
-    device: str | torch.device | None = None,
-) -> LoadedModel:
-    """Load a Llama-family causal LM and its tokenizer from local files.
+@dataclass(frozen=True, slots=True)
+class DtypeChoice:
+    """The dtype a model runs in (:func:`choose_dtype`).
 
-    Args:
-        model: ``None`` for the default SmolLM2 GGUF, a packaged model's name
-            (:data:`PACKAGED_MODELS`), a path to a ``.gguf`` file, or a path to a Hugging Face model
-            folder (``config.json`` + weights + tokenizer).
-        dtype: ``"float32"`` (CPU default, exactness) or ``"bfloat16"``/``"float16"``.
-        device: defaults to :func:`default_device`.
+    Attributes:
+        dtype: the weights' and the KV's dtype.
+        reason: why, in words, for the log (e.g. ``"auto: the native AVX512-BF16 kernels run this model"``).
+    """
+
+    dtype: torch.dtype
+    reason: str
+
+
+def choose_dtype(requested: str, model: str | os.PathLike[str] | None = None,
+                 device: str | torch.device | None = None) -> DtypeChoice:
+    """The dtype :func:`load_model` loads ``model`` in on ``device`` (default :func:`default_device`).
+
+    A dtype's name (``"float32"``, ``"bf16"``...) is taken as given. ``"auto"`` (the engine's default)
+    picks **bfloat16 where our native bf16 kernels run the model**: a CPU with AVX512-BF16, a C
+    compiler, a head size that is a multiple of 64, at most 8 query heads per KV head
+    (:func:`ragcache_backend.model.kernels.native.unavailable_reason`) and no sliding-window layer
+    (:func:`ragcache_backend.model.arch.native_gaps`). There a cached and an uncached prompt give
+    the same tokens, as in float32, and a forward pass takes 0.55-0.65x float32's time (2-core AMD
+    Zen 5, ``benchmarks/forward_vs_vllm.py``; docs/benchmarks.md); vLLM's ``auto`` runs the
+    checkpoint's dtype, bfloat16 for SmolLM2, on any CPU. **float32 everywhere else**: on a CPU
+    without AVX512-BF16 bf16 runs ~6x slower than float32 on the torch path, and on the torch path
+    (CUDA and Gemma 3's windowed layers included) bf16 answers with and without the cache differ
+    (77% of full hits identical), which float32 keeps identical. Reads the model's config only.
 
     Raises:
-        ModelLoadError: path missing, not a supported architecture (refused before any weight is
-            read, naming the architecture and the supported ones), or transformers fails to load it.
+        ModelLoadError: an unknown dtype name; for ``"auto"``, the model is missing or its config
+            cannot be read.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch_dtype = parse_dtype(dtype)
+    if requested != "auto":
+        return DtypeChoice(parse_dtype(requested), "as configured")
     dev = torch.device(device) if device is not None else default_device()
-    path = resolve_model(model)
+    return _auto_dtype(dev, *_weights_source(resolve_model(model), model)[:2])
+
+
+def _auto_dtype(device: torch.device, folder: Path, kwargs: dict) -> DtypeChoice:
+    from transformers import AutoConfig
+
+    from ragcache_backend.model.kernels import native
+
+    if device.type != "cpu":
+        return DtypeChoice(torch.float32, f"auto: float32 on {device.type} (bf16 answers there differ with and without "
+                                          "the cache)")
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True, **kwargs)
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        group = heads // (getattr(config, "num_key_value_heads", None) or heads)
+        limit = context_window(config)
+        windowed = any(w is not None and w < limit for w in layer_windows(config))
+    except Exception as exc:  # transformers raises many unrelated types for a bad config
+        raise ModelLoadError(f"could not read the model config in {folder}: {type(exc).__name__}: {exc}") from exc
+    # the native attention has no windows (arch.native_gaps): such a model runs on the torch path
+    why_not = ("sliding-window layers run on the torch path" if windowed
+               else native.unavailable_reason(torch.bfloat16, device, head_dim, group))
+    if why_not is not None:
+        return DtypeChoice(torch.float32, f"auto: float32, the native bf16 kernels cannot run this model ({why_not})")
+    return DtypeChoice(torch.bfloat16, f"auto: bfloat16, the native {native.instruction_set(torch.bfloat16)} kernels "
+                                       "run this model (cached and uncached answers identical)")
+
+
+def _weights_source(path: Path, model: str | os.PathLike[str] | None) -> tuple[Path, dict, list[Path], str]:
+    """Where transformers loads ``path`` from: (folder, extra ``from_pretrained`` arguments, the
+    files the fingerprint covers, display name). A packaged GGUF is converted into a folder once."""
     packaged = model is None or str(model).lower() in PACKAGED_MODELS
     if path.is_file():
         if path.suffix != ".gguf":
@@ -250,13 +294,44 @@ def load_model(
             # fingerprint stays the GGUF's, so KV cached on disk before stays valid
             check_architecture(path)
             folder, kwargs = converted_gguf(path, name.lower()), {}
-    else:
-        if not (path / "config.json").is_file():
-            raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model folder")
-        folder, kwargs = path, {}
-        files = [p for p in path.iterdir() if p.suffix in {".safetensors", ".bin", ".json"}]
-        name = path.name
+        return folder, kwargs, files, name
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model folder")
+    return path, {}, [p for p in path.iterdir() if p.suffix in {".safetensors", ".bin", ".json"}], path.name
+
+
+def load_model(
+    model: str | os.PathLike[str] | None = None,
+    *,
+    dtype: str = "auto",
+    device: str | torch.device | None = None,
+) -> LoadedModel:
+    """Load a Llama-family causal LM and its tokenizer from local files.
+
+    Args:
+        model: ``None`` for the default SmolLM2 GGUF, a packaged model's name
+            (:data:`PACKAGED_MODELS`), a path to a ``.gguf`` file, or a path to a Hugging Face model
+            folder (``config.json`` + weights + tokenizer).
+        dtype: ``"auto"`` (bfloat16 where the native bf16 kernels run the model, else float32:
+            :func:`choose_dtype`), ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        device: defaults to :func:`default_device`.
+
+    Raises:
+        ModelLoadError: path missing, not a supported architecture (refused before any weight is
+            read, naming the architecture and the supported ones), an unknown dtype, or
+            transformers fails to load it.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = None if dtype == "auto" else parse_dtype(dtype)  # a bad name fails before any file is read
+    dev = torch.device(device) if device is not None else default_device()
+    path = resolve_model(model)
+    folder, kwargs, files, name = _weights_source(path, model)
     check_architecture(path)
+    if torch_dtype is None:
+        choice = _auto_dtype(dev, folder, kwargs)
+        log.info("dtype: %s (%s)", str(choice.dtype).removeprefix("torch."), choice.reason)
+        torch_dtype = choice.dtype
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
         lm = AutoModelForCausalLM.from_pretrained(

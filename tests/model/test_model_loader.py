@@ -100,3 +100,33 @@ def test_a_gguf_header_is_read_without_parsing_the_rest(tmp_path):
     (tmp_path / "bad.gguf").write_bytes(b"GGML" + b"\0" * 20)
     with pytest.raises(ModelLoadError, match="not a GGUF"):
         model_architecture(tmp_path / "bad.gguf")
+
+
+def test_choose_dtype_names_and_auto(tiny_folder):
+    import torch
+
+    from ragcache_backend.config import EngineConfig
+    from ragcache_backend.model.kernels import native
+    from ragcache_backend.model.loader import choose_dtype
+
+    assert choose_dtype("bf16", tiny_folder).dtype == torch.bfloat16 and choose_dtype("float32").dtype == torch.float32
+    with pytest.raises(ModelLoadError, match="unknown dtype"):
+        choose_dtype("int8", tiny_folder)
+    with pytest.raises(ModelLoadError, match="unknown dtype"):
+        load_model(tiny_folder, dtype="float64")
+    # the tiny model's head size (16) does not fit the bf16 kernel: float32, saying why
+    tiny = choose_dtype("auto", tiny_folder, "cpu")
+    assert tiny.dtype == torch.float32 and native.unavailable_reason(torch.bfloat16, "cpu", 16, 2) in tiny.reason
+    assert load_model(tiny_folder).dtype == torch.float32
+    # off the CPU, auto is float32 (bf16 answers with and without the cache would differ there)
+    cuda = choose_dtype("auto", tiny_folder, "cuda")
+    assert cuda.dtype == torch.float32 and "cuda" in cuda.reason
+    # the default model (head size 64, 3 query heads per KV head): bf16 exactly where the native bf16 kernels run
+    default = choose_dtype("auto", None, "cpu")
+    bf16_native = native.available(torch.bfloat16, "cpu", 64, 3)
+    assert default.dtype == (torch.bfloat16 if bf16_native else torch.float32)
+    assert ("AVX512-BF16 kernels run" in default.reason if bf16_native
+            else native.unavailable_reason(torch.bfloat16, "cpu", 64, 3) in default.reason)
+    # the engine asks for float32 under auto wherever chunk reuse may run (its calibration and explicit positions)
+    assert EngineConfig().load_dtype() == "auto" and EngineConfig(reuse="chunk").load_dtype() == "float32"
+    assert EngineConfig(reuse="auto").load_dtype() == "float32" and EngineConfig(dtype="bfloat16", reuse="chunk").load_dtype() == "bfloat16"

@@ -138,6 +138,10 @@ def test_cli_demo_json(tmp_path, faq_dir):
     # a fresh machine prices PGDSF with the shipped profile of the default model instead of measuring
     # one (~45 s) before the demo, and says so in the report
     assert data["config"]["prefill_profile"].startswith("shipped reference")
+    # the default dtype, auto: bf16 where the native bf16 kernels run (there too the answers are identical)
+    from ragcache_backend.model.kernels import native
+
+    assert data["config"]["dtype"] == ("bfloat16" if native.available(torch.bfloat16, "cpu", 64, 3) else "float32")
     assert not list((tmp_path / "profiles").glob("*.json"))
 
 

@@ -36,12 +36,14 @@ class RunningServer:
 
 
 def start_server(tmp: Path, *extra: str, timeout: float = 240.0) -> RunningServer:
-    """Start ``ragcache serve`` on a free loopback port and wait until ``/health`` answers 200."""
+    """Start ``ragcache serve`` on a free loopback port and wait until ``/health`` answers 200. In
+    float32, as the engines the tests compare it with (``--dtype`` in ``extra`` overrides it; the
+    default, ``auto``, is bf16 on an AVX512-BF16 CPU: ``test_startup.py`` serves with it)."""
     port = free_port()
     log = tmp / "server.log"
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     process = subprocess.Popen(
-        [str(RAGCACHE), "serve", "--port", str(port), "--cache-dir", str(tmp / "kv"), "--threads", "2",
+        [str(RAGCACHE), "serve", "--dtype", "float32", "--port", str(port), "--cache-dir", str(tmp / "kv"), "--threads", "2",
          "--drain-timeout", "60", "--learned-documents", str(tmp / "learned_documents.jsonl"), *extra],
         stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env,
     )

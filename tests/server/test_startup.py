@@ -78,6 +78,13 @@ def test_a_fresh_server_answers_health_in_seconds_then_serves(tmp_path):
         assert statuses[-1][1] == "ok", (statuses, (tmp_path / "log").read_text())
         reply = httpx.post(f"{url}/v1/chat/completions", json={"messages": HI, "max_tokens": 2}, timeout=60)
         assert reply.status_code == 200
+        # the default dtype, auto: bf16 where the native bf16 kernels run the model, and the log says so
+        import torch
+
+        from ragcache_backend.model.kernels import native
+
+        chosen = "bfloat16" if native.available(torch.bfloat16, "cpu", 64, 3) else "float32"
+        assert f"dtype: {chosen} (auto: " in (tmp_path / "log").read_text()
     finally:
         process.terminate()
         process.wait(60)
