@@ -213,7 +213,7 @@ def run_ragcache(args, trace: list[dict], log_dir: Path) -> dict:
     cache_dir = log_dir / "ragcache-kv"
     shutil.rmtree(cache_dir, ignore_errors=True)  # a cold burst is cold: no disk tier left by an earlier run
     cmd = [str(ROOT / ".venv" / "bin" / "ragcache"), "serve", "--port", str(port), "--cache-dir", str(cache_dir),
-           "--dtype", args.dtype, "--max-queue", str(args.clients * 2), "--max-batch-size", str(args.max_batch),
+           "--dtype", args.ragcache_dtype or args.dtype, "--max-queue", str(args.clients * 2), "--max-batch-size", str(args.max_batch),
            "--max-batch-tokens", str(args.max_batch_tokens), "--device-mib", str(args.device_mib),
            "--host-mib", str(max(0, args.vllm_kv_gib * 1024 - args.device_mib))]
     log = open(log_dir / "ragcache-serve.log", "w")
@@ -262,7 +262,9 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=200)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--k", type=int, default=3, help="documents per request")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="float32", help="both servers' dtype (auto: each its own default; ours: "
+                    "bfloat16 where its native bf16 kernels run, vLLM's: the checkpoint's, bfloat16)")
+    ap.add_argument("--ragcache-dtype", default=None, help="ours only, instead of --dtype (e.g. float32 against vLLM's auto)")
     ap.add_argument("--max-batch", type=int, default=8, help="sequences per step, both servers (vLLM --max-num-seqs, "
                                                                 "ragcache --max-batch-size)")
     ap.add_argument("--max-batch-tokens", type=int, default=2048,

@@ -260,7 +260,7 @@ def _auto_dtype(device: torch.device, folder: Path, kwargs: dict) -> DtypeChoice
     from ragcache_backend.model.kernels import native
 
     if device.type != "cpu":
-        return DtypeChoice(torch.float32, f"auto: float32 on {device.type} (bf16 answers there differ with and without "
+        return DtypeChoice(torch.float32, f"auto: on {device.type} (bf16 answers there differ with and without "
                                           "the cache)")
     try:
         config = AutoConfig.from_pretrained(folder, local_files_only=True, **kwargs)
@@ -275,8 +275,8 @@ def _auto_dtype(device: torch.device, folder: Path, kwargs: dict) -> DtypeChoice
     why_not = ("sliding-window layers run on the torch path" if windowed
                else native.unavailable_reason(torch.bfloat16, device, head_dim, group))
     if why_not is not None:
-        return DtypeChoice(torch.float32, f"auto: float32, the native bf16 kernels cannot run this model ({why_not})")
-    return DtypeChoice(torch.bfloat16, f"auto: bfloat16, the native {native.instruction_set(torch.bfloat16)} kernels "
+        return DtypeChoice(torch.float32, f"auto: the native bf16 kernels cannot run this model ({why_not})")
+    return DtypeChoice(torch.bfloat16, f"auto: the native {native.instruction_set(torch.bfloat16)} kernels "
                                        "run this model (cached and uncached answers identical)")
 
 
