@@ -361,7 +361,7 @@ class Request:
         """What the request gives back once it stopped for ``reason``."""
         m, lease = self.handle.metrics, self.lease
         return GenerationResult(
-            answer=self.text.emitted,
+            answer=self.text.answer,
             token_ids=tuple(self.generated),
             finish_reason=reason,
             ttft_s=m.first_token - m.submitted,

@@ -38,38 +38,89 @@ def held_back(text: str, stops: Sequence[str]) -> int:
 class IncrementalText:
     """Turns generated token ids into text deltas.
 
+    Each token decodes only a window of the last few ids (as vLLM's incremental detokenizer): the
+    ids from the last point where the text was whole (``read_offset``) on, together with the ids
+    before it back to the previous such point (``prefix_offset``), whose text is subtracted. Both
+    points end complete characters, so the window's text is the whole text's end: the result is the
+    full decode's (a property test checks it against decoding every id each token), at a cost per
+    token that does not grow with the answer (decoding every id each token made a request's
+    detokenisation quadratic in its length, on the engine thread). Stop strings are searched for
+    only where a new occurrence can be: in the new text and the ``len(stop) - 1`` characters before it.
+
     Attributes:
         tokenizer: a transformers tokenizer (``decode`` with ``skip_special_tokens``).
         stop: stop strings; the first occurrence ends the text (excluded from it).
+        ids: the token ids pushed so far.
+        text: the final text so far (whole characters; a stop string and what follows it cut off).
+        emitted: how much of ``text`` was released, in characters (the rest may start a stop string).
+        stopped: a stop string occurred.
     """
 
     tokenizer: object
     stop: Sequence[str] = ()
     ids: list[int] = field(default_factory=list)
-    emitted: str = ""
+    text: str = ""
+    emitted: int = 0
     stopped: bool = False
+    prefix_offset: int = 0
+    read_offset: int = 0
 
     def push(self, token_id: int) -> str:
         """Add one token; return the newly final text (possibly empty)."""
         self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=None)
-        if cut is not None:
-            self.stopped = True
-            return self._emit(text[:cut])
-        if text.endswith("\ufffd"):  # incomplete multi-byte character
+        if self.stopped:
             return ""
-        return self._emit(text[: len(text) - held_back(text, self.stop)])
+        pending = self._pending()
+        if self._cut(pending):
+            return self._release(0)
+        if pending.endswith("\ufffd"):  # incomplete multi-byte character: wait for its other bytes
+            return ""
+        self.text += pending
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return self._release(held_back(self.text, self.stop))
 
     def flush(self) -> str:
         """At the end of generation: release whatever is held back (no stop string completed)."""
         if self.stopped:
             return ""
-        return self._emit(self.tokenizer.decode(self.ids, skip_special_tokens=True))
+        pending = self._pending()
+        if not self._cut(pending):
+            self.text += pending
+            self.prefix_offset = self.read_offset = len(self.ids)
+        return self._release(0)
 
-    def _emit(self, final: str) -> str:
-        if len(final) <= len(self.emitted):
+    @property
+    def answer(self) -> str:
+        """The text released so far."""
+        return self.text[: self.emitted]
+
+    def _pending(self) -> str:
+        """The text of the ids past ``read_offset`` (it may end in half a character)."""
+        decode = self.tokenizer.decode
+        window = decode(self.ids[self.prefix_offset:], skip_special_tokens=True)
+        return window[len(decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)):]
+
+    def _cut(self, pending: str) -> bool:
+        """Whether a stop string occurs in ``text + pending``; if so, keep the text before its first
+        occurrence. Earlier text holds none (it was checked), so the search starts where an
+        occurrence could end in ``pending``."""
+        if not self.stop or not pending:
+            return False
+        longest = max(len(s) for s in self.stop)
+        start = max(0, len(self.text) - longest + 1)
+        tail = self.text[start:] + pending
+        cut = min((i for i in (tail.find(s) for s in self.stop) if i >= 0), default=None)
+        if cut is None:
+            return False
+        self.text = self.text[:start] + tail[:cut]
+        self.stopped = True
+        return True
+
+    def _release(self, hold: int) -> str:
+        """Release ``text`` but its last ``hold`` characters; return what was not released before."""
+        end = len(self.text) - hold
+        if end <= self.emitted:
             return ""
-        delta = final[len(self.emitted) :]
-        self.emitted = final
+        delta = self.text[self.emitted:end]
+        self.emitted = end
         return delta
