@@ -82,3 +82,21 @@ def test_gemma3_auto_dtype_is_float32_its_windowed_layers_run_on_the_torch_path(
 
     choice = choose_dtype("auto", "gemma-3-270m", "cpu")  # bf16 there would not keep cached answers identical
     assert choice.dtype == torch.float32 and "sliding-window" in choice.reason
+
+
+def test_gemma3_windowed_detokenizer_gives_the_full_decodes_deltas(gemma):
+    """SentencePiece pieces (``▁`` spaces, byte-fallback ``<0xNN>`` pieces of split characters):
+    the windowed detokenizer's deltas equal a full decode's every token."""
+    import random
+
+    from tests.prompts.test_detokenizer import _streams
+
+    tok, rng = gemma.tokenizer, random.Random(2)
+    vocab = [t for p in ["the", " quick", " fox", " ", "\n", "é", "🐉", "日本語", " 𝄞", "ok", "  a"]
+             for t in tok.encode(p, add_special_tokens=False)]
+    vocab += [tok.convert_tokens_to_ids(f"<0x{b:02X}>") for b in "🐉".encode()]
+    for case in range(200):
+        ids = [rng.choice(vocab) for _ in range(rng.randint(0, 30))]
+        stop = [rng.choice(["fox", "🐉", "\n\n", " a"]) for _ in range(rng.randint(0, 2))]
+        ours, ref, _ = _streams(tok, ids, stop)
+        assert ours == ref, (case, ids, stop)
