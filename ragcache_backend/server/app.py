@@ -203,7 +203,7 @@ def app_over(slot: ServiceSlot, settings: ServerSettings) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request,
                                x_cache_salt: str | None = Header(None)):
         service = slot.get()
-        req = await off_loop(service.prepare, body, x_cache_salt)
+        req = await off_loop(service.prepare, body, x_cache_salt, time.perf_counter())
         if req.stream:
             return _EventStream(await service.open_stream(req))
         return await _unless_disconnected(request, service.generate(req))
@@ -211,7 +211,7 @@ def app_over(slot: ServiceSlot, settings: ServerSettings) -> FastAPI:
     @v1.post("/completions", response_model=CompletionResponse, response_model_exclude_none=True)
     async def completions(body: CompletionRequest, request: Request, x_cache_salt: str | None = Header(None)):
         service = slot.get()
-        req = await off_loop(service.prepare, body, x_cache_salt)
+        req = await off_loop(service.prepare, body, x_cache_salt, time.perf_counter())
         if req.stream:
             return _EventStream(await service.open_stream(req))
         return await _unless_disconnected(request, service.generate(req))

@@ -259,16 +259,19 @@ class CompletionService:
             raise APIError(400, str(exc)) from None
         return sampling
 
-    def prepare(self, body: ChatCompletionRequest | CompletionRequest, header_salt: str | None) -> PreparedRequest:
+    def prepare(self, body: ChatCompletionRequest | CompletionRequest, header_salt: str | None,
+                arrived: float | None = None) -> PreparedRequest:
         """Check ``body`` and build its prompt, sampling and output constraints.
 
-        ``header_salt`` is the ``X-Cache-Salt`` header; the body's ``cache_salt`` wins.
+        ``header_salt`` is the ``X-Cache-Salt`` header; the body's ``cache_salt`` wins. ``arrived``
+        is ``time.perf_counter()`` when the request came in (None: now), so that time spent waiting
+        for the prompt thread counts in the request's latency.
 
         Raises:
             APIError: 404 unknown model; 400 unsupported feature, bad value, non-text content,
                 bad tools or output format, prompt over the context window.
         """
-        arrived = time.perf_counter()
+        arrived = time.perf_counter() if arrived is None else arrived
         self.check_model(body.model)
         bad = body.unsupported()
         if bad is not None:
