@@ -33,6 +33,7 @@ import torch
 
 from ragcache_backend.cache.chunk_reuse import RecomputeRule
 from ragcache_backend.config import EngineConfig
+from ragcache_backend.model.kernels import openmp
 from ragcache_backend.engine.core import EngineClosedError, EngineCore, EngineStats
 from ragcache_backend.engine.pipelining import SpeculativePipeline, run_cancellable
 from ragcache_backend.engine.request import (
@@ -103,6 +104,8 @@ class RAGCacheEngine(EngineCore):
         super().__init__(build_parts(config or EngineConfig(), loaded=loaded, profile=profile, scheduler=scheduler),
                          store=store)
         self._ids = itertools.count()
+        # this thread loaded the model: its OpenMP workers would slow every region of the step loop's thread
+        openmp.release_thread_pool()
 
     # ---- prompts -------------------------------------------------------------------------------
     @property

@@ -104,6 +104,9 @@ class Embedder:
             return np.zeros((0, self.dim), dtype=np.float32)
         vectors = model.encode(list(texts), batch_size=batch_size, show_progress_bar=progress,
                                convert_to_numpy=True, normalize_embeddings=True)
+        from ragcache_backend.model.kernels.openmp import release_thread_pool
+
+        release_thread_pool()  # this thread's OpenMP workers would slow the engine thread's regions
         return np.ascontiguousarray(vectors, dtype=np.float32)
 
     def count_tokens(self, texts: Sequence[str]) -> int:
