@@ -33,7 +33,6 @@ import torch
 
 from ragcache_backend.cache.chunk_reuse import RecomputeRule
 from ragcache_backend.config import EngineConfig
-from ragcache_backend.model.kernels import openmp
 from ragcache_backend.engine.core import EngineClosedError, EngineCore, EngineStats
 from ragcache_backend.engine.pipelining import SpeculativePipeline, run_cancellable
 from ragcache_backend.engine.request import (
@@ -48,6 +47,7 @@ from ragcache_backend.engine.scheduler import Scheduler, SchedulerConfig
 from ragcache_backend.engine.setup import build_parts
 from ragcache_backend.engine.streaming import adrain, drain
 from ragcache_backend.errors import ContextWindowError, InvalidRequestError, RequestCancelledError
+from ragcache_backend.model.kernels import openmp
 from ragcache_backend.model.loader import LoadedModel
 from ragcache_backend.model.sampling import SamplingParams
 from ragcache_backend.cache.profile import PrefillProfile

@@ -160,10 +160,11 @@ def load_or_measure_profile(cfg: EngineConfig, loaded: LoadedModel, runner: Mode
     if path.exists():
         return PrefillProfile.load(path)
     if cfg.profile_path is None:
-        shipped = reference_profile(cfg.model, str(loaded.dtype).removeprefix("torch."), cfg.device)
+        dtype = str(loaded.dtype).removeprefix("torch.")
+        shipped = reference_profile(cfg.model, dtype, cfg.device)
         if shipped is not None:  # PGDSF only ranks nodes with it: no 45 s measurement before serving
-            log.info("prefill profile: the one shipped for the default model (%s); none measured on this machine",
-                     REFERENCE_PROFILE.name)
+            log.info("prefill profile: the one shipped for the default model in %s; none measured on this machine",
+                     dtype)
             return shipped
     cap = (device_blocks or runner.num_device_blocks) * runner.block_size
     scale = min(1.0, cap / (DEFAULT_ALPHAS[-1] + DEFAULT_BETAS[-1]))
