@@ -28,17 +28,25 @@ _pause = None
 _looked = False
 
 
+def _loaded_libgomp() -> str:
+    """The path of the libgomp already mapped into this process (torch's; wheels may name it
+    ``libgomp-<hash>.so.1``): opening it again returns that same runtime, never a second one.
+    Raises StopIteration when none is mapped (another OpenMP runtime), OSError without ``/proc``."""
+    with open("/proc/self/maps") as maps:
+        return next(line.split()[-1] for line in maps if "libgomp" in line.rsplit("/", 1)[-1])
+
+
 def _pause_fn():
     """libgomp's ``omp_pause_resource_all`` as already loaded by torch, or None (another OpenMP
     runtime, or none)."""
     global _pause, _looked
     if not _looked:
         _looked = True
-        import torch  # noqa: F401  (its libgomp is the one to reach: loaded first, found by soname)
+        import torch  # noqa: F401  (its libgomp is the one to reach)
 
         try:
-            fn = ctypes.CDLL("libgomp.so.1").omp_pause_resource_all
-        except (OSError, AttributeError) as exc:
+            fn = ctypes.CDLL(_loaded_libgomp()).omp_pause_resource_all
+        except (OSError, AttributeError, StopIteration) as exc:
             log.debug("no libgomp omp_pause_resource_all (%s): OpenMP pools are left as they are", exc)
             return None
         fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_int]
