@@ -54,6 +54,8 @@ class IncrementalText:
         text: the final text so far (whole characters; a stop string and what follows it cut off).
         emitted: how much of ``text`` was released, in characters (the rest may start a stop string).
         stopped: a stop string occurred.
+        prefix_offset, read_offset: the window's start and the end of the ids already in ``text``
+            (both at whole characters).
     """
 
     tokenizer: object
