@@ -57,8 +57,8 @@ def launch(tmp_path, *argv: str) -> tuple[subprocess.Popen, str]:
 
 @pytest.mark.model
 def test_a_fresh_server_answers_health_in_seconds_then_serves(tmp_path):
-    """A fresh $RAGCACHE_HOME: no prefill profile yet, so building the engine measures it (~15 s
-    or more); /health answers long before, with "starting", then "ok"."""
+    """A fresh $RAGCACHE_HOME: the model is converted and loaded (seconds to minutes); /health
+    answers long before, with "starting", then "ok"."""
     process, url = launch(tmp_path)
     start, statuses = time.monotonic(), []
     try:
