@@ -9,8 +9,10 @@ import sys
 import pytest
 
 # In a fresh interpreter: the suite's process has other threads coming and going (engines, writers)
-# that would blur a count of its threads.
+# that would blur a count of its threads. Torch's workers must go even where another libgomp is
+# loaded first (releasing only the first one found left torch's pool in place in the demo).
 CHECK = """
+import faiss  # first: faiss-cpu's own libgomp is mapped before torch's (as in the demo's process)
 import os, threading, time, torch
 from ragcache_backend.model.kernels import openmp
 torch.set_num_threads(2)

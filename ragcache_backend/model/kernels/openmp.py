@@ -12,7 +12,8 @@ long, a float32 one (one region, ``rc32_decode_step``) 1.2x (``benchmarks/omp_th
 
 :func:`release_thread_pool` frees the calling thread's pool (OpenMP 5.0's ``omp_pause_resource_all``):
 the engine calls it on the thread that built it, and the retrieval embedder after embedding on the
-caller's thread, so only the engine thread keeps workers between requests. The next parallel region
+caller's thread (in every libgomp of the process: faiss-cpu ships its own, and a lookup by name found
+that one first in the demo, where it did nothing for torch's), so only the engine thread keeps workers between requests. The next parallel region
 on that thread makes its pool again (tens of microseconds). Torch work a user runs on another
 thread between requests brings the slowdown back until it is released too.
 """
@@ -24,39 +25,36 @@ import logging
 
 log = logging.getLogger(__name__)
 _OMP_PAUSE_SOFT = 1
-_pause = None
-_looked = False
+_pauses: dict[str, object] = {}  # libgomp path -> its omp_pause_resource_all
 
 
-def _loaded_libgomp() -> str:
-    """The path of the libgomp already mapped into this process (torch's; wheels may name it
-    ``libgomp-<hash>.so.1``): opening it again returns that same runtime, never a second one.
-    Raises StopIteration when none is mapped (another OpenMP runtime), OSError without ``/proc``."""
-    with open("/proc/self/maps") as maps:
-        return next(line.split()[-1] for line in maps if "libgomp" in line.rsplit("/", 1)[-1])
-
-
-def _pause_fn():
-    """libgomp's ``omp_pause_resource_all`` as already loaded by torch, or None (another OpenMP
-    runtime, or none)."""
-    global _pause, _looked
-    if not _looked:
-        _looked = True
-        import torch  # noqa: F401  (its libgomp is the one to reach)
-
-        try:
-            fn = ctypes.CDLL(_loaded_libgomp()).omp_pause_resource_all
-        except (OSError, AttributeError, StopIteration) as exc:
-            log.debug("no libgomp omp_pause_resource_all (%s): OpenMP pools are left as they are", exc)
-            return None
-        fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_int]
-        _pause = fn
-    return _pause
+def _loaded_libgomps() -> list[str]:
+    """The libgomp runtimes mapped into this process: torch's (wheels may name it
+    ``libgomp-<hash>.so.1``) and others' (faiss-cpu ships its own). Opening a path again returns that
+    same runtime, never a second one. Empty without ``/proc`` or where none is loaded."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return sorted({line.split()[-1] for line in maps if "libgomp" in line.rsplit("/", 1)[-1]})
+    except OSError:
+        return []
 
 
 def release_thread_pool() -> bool:
-    """Free the calling thread's OpenMP worker threads (see the module docstring). Call it outside
-    any parallel region (never from inside a torch op). Returns whether the runtime did so (False:
-    not libgomp, or it refused)."""
-    fn = _pause_fn()
-    return fn is not None and fn(_OMP_PAUSE_SOFT) == 0
+    """Free the calling thread's OpenMP worker threads in every libgomp runtime of the process (see
+    the module docstring). Call it outside any parallel region (never from inside a torch op).
+    Returns whether one did (False: no libgomp, or none accepted)."""
+    import torch  # noqa: F401  (its libgomp is among those to reach)
+
+    done = False
+    for path in _loaded_libgomps():
+        if path not in _pauses:
+            try:
+                fn = ctypes.CDLL(path).omp_pause_resource_all
+                fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_int]
+            except (OSError, AttributeError) as exc:
+                log.debug("%s: no omp_pause_resource_all (%s)", path, exc)
+                fn = None
+            _pauses[path] = fn
+        fn = _pauses[path]
+        done = (fn is not None and fn(_OMP_PAUSE_SOFT) == 0) or done
+    return done
