@@ -215,7 +215,7 @@ class PagedLlama:
             log.info("forward path: torch (%s)", gaps or why_not)
         #: layers whose attention statistics are recorded (``stat_segments``); all by default
         self.stat_layers: frozenset[int] = frozenset(range(self.num_layers))
-        #: float32 decode-only steps run every layer in one native call (None: not available)
+        #: decode-only steps run every layer in one native call (None: not available)
         self._decode_plan = self._build_decode_plan()
         self._native_positions = self.native_attention and native.takes_positions(self.dtype)
         #: float32 native fused path: the last layer's attention, o_proj and MLP run only for the rows
@@ -243,21 +243,22 @@ class PagedLlama:
 
     @property
     def whole_step_decode(self) -> bool:
-        """Whether float32 decode-only steps run every layer in one native call
-        (``rc32_decode_step``); False: the per-operation kernels (or the torch path) run them."""
+        """Whether decode-only steps run every layer in one native call (float32: ``rc32_decode_step``,
+        the per-operation kernels' bits; bf16: ``rc_decode_step``, its own few-row GEMM); False: the
+        per-operation kernels (or the torch path) run them."""
         return self._decode_plan is not None
 
     @whole_step_decode.setter
     def whole_step_decode(self, on: bool) -> None:
-        """Turn whole-step decode off (the per-operation kernels give the same bits; for A/B runs
-        and tests) or back on.
+        """Turn whole-step decode off (for A/B runs and tests: in float32 the per-operation kernels
+        give the same bits) or back on.
 
         Raises:
-            ValueError: turned on where it cannot run (not float32 on a CPU with the native kernels).
+            ValueError: turned on where it cannot run (not the native fused path, float32 or bf16).
         """
         plan = self._build_decode_plan() if on else None
         if on and plan is None:
-            raise ValueError("whole-step decode needs float32 on a CPU with the native kernels")
+            raise ValueError("whole-step decode needs the native fused path (float32 or bf16 native kernels)")
         self._decode_plan = plan
 
     def _gate_native(self) -> str:
@@ -405,8 +406,8 @@ class PagedLlama:
         return attention_over_prefix(q, k, v, scale=self._scale, plan=plan)
 
     def _build_decode_plan(self) -> native.DecodePlan | None:
-        """The layers as one native float32 decode step reads them (None: not float32 fused)."""
-        if not self.native_fused or self.dtype != torch.float32:
+        """The layers as one native decode step reads them (None: not the native fused path)."""
+        if not self.native_fused:
             return None
         ws = self._weights
         nexts = [(ws[i + 1].input_norm, ws[i + 1].input_eps) for i in range(len(ws) - 1)] + [self._final_norm]
@@ -423,9 +424,9 @@ class PagedLlama:
                 and 0 < len(st.decode) <= native.LINEAR_ROWS_MAX)
 
     def _decode_step_native(self, h: torch.Tensor, st: StepRows, arena: KVArena) -> torch.Tensor:
-        """Every decoder layer of a decode-only float32 step in one native call
-        (:func:`~ragcache_backend.model.kernels.native.decode_step`: the per-operation kernels'
-        arithmetic, without their dispatch). Returns the final-normed hidden states ``[M, hidden]``."""
+        """Every decoder layer of a decode-only step in one native call
+        (:func:`~ragcache_backend.model.kernels.native.decode_step`: without the per-operation path's
+        dispatch). Returns the final-normed hidden states ``[M, hidden]``."""
         cos, sin = self._rope_tables(st, torch.float32)
         h = h.contiguous()
         x = native.add_rms_norm(h, None, self._weights[0].input_norm, self._weights[0].input_eps)

@@ -179,3 +179,101 @@ def test_runner_native_path_is_exact_across_the_cache_and_close_to_transformers(
         ref = tiny_bf16_llama.model(torch.tensor([toks])).logits[0].float()
     assert (cold - ref).abs().max().item() < 0.1 * ref.abs().max().item()
     assert (cold.argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.95
+
+
+def test_linear_rows_bf16_rounds_once_and_a_row_never_depends_on_the_others():
+    """The few-row bf16 GEMM of the whole-step decode (``rc_linear_rows``): float32 sums of exact
+    bf16 products, the bias added, one bf16 rounding; a row's bits are the same whatever rows and
+    how many are beside it (a generated token's answer must not depend on the batch it ran in)."""
+    g = torch.Generator().manual_seed(21)
+    w = torch.randn(72, 96, generator=g).bfloat16()
+    b = torch.randn(72, generator=g).bfloat16()
+    x = torch.randn(16, 96, generator=g).bfloat16()
+    full = native.linear_rows(x, w, b)
+    assert full.dtype == torch.bfloat16 and full.shape == (16, 72)
+    ref = x.double() @ w.double().T + b.double()
+    # one round-to-nearest to bf16: within half an ulp (2^-8 of the value) plus float32 summation noise
+    assert ((full.double() - ref).abs() <= ref.abs() * 2.0**-8 + 1e-4).all()
+    assert torch.equal(full, native.linear_rows(x, w, b))  # deterministic
+    for m in range(1, 16):
+        assert torch.equal(native.linear_rows(x[:m], w, b), full[:m]), m
+        assert torch.equal(native.linear_rows(x[m:], w, b), full[m:]), m
+    no_bias = native.linear_rows(x, w)
+    assert ((no_bias.double() - (ref - b.double())).abs() <= (ref - b.double()).abs() * 2.0**-8 + 1e-4).all()
+    assert not native.linear_rows_available(torch.randn(72, 48).bfloat16())  # K not a multiple of 32
+    assert not native.linear_rows_available(torch.randn(6, 96).bfloat16())  # N not a multiple of 4
+    with pytest.raises(NativeKernelError):
+        native.linear_rows(x, torch.randn(72, 48).bfloat16())
+    with pytest.raises(NativeKernelError):
+        native.linear_rows(x.float(), w)  # dtypes differ
+    with pytest.raises(NativeKernelError):
+        native.linear_rows(x, w, b.float())
+
+
+def test_a_bf16_decode_step_in_one_native_call(tiny_bf16_llama):
+    """Decode-only bf16 steps run every layer in one call (rc_decode_step): close to the
+    per-operation path (the GEMMs sum in another order than oneDNN's), the same greedy tokens here,
+    and a sequence's logits and K/V the same bits alone or in a batch."""
+    from ragcache_backend.model.runner import ForwardInput, KVRun, ModelRunner
+
+    whole = ModelRunner(copy.deepcopy(tiny_bf16_llama), num_device_blocks=240, block_size=16)
+    alone = ModelRunner(copy.deepcopy(tiny_bf16_llama), num_device_blocks=240, block_size=16)
+    per_op = ModelRunner(copy.deepcopy(tiny_bf16_llama), num_device_blocks=240, block_size=16)
+    assert whole.layers.whole_step_decode and alone.layers.whole_step_decode
+    per_op.layers.whole_step_decode = False
+    g = torch.Generator().manual_seed(13)
+    seqs = [tuple(torch.randint(0, 512, (n,), generator=g).tolist()) for n in (5, 300, 700)]
+    blocks = [tuple(range(i * 80, i * 80 + 80)) for i in range(len(seqs))]
+    for runner in (whole, alone, per_op):
+        for toks, b in zip(seqs, blocks):
+            runner.forward([ForwardInput(toks, (), (KVRun(b, 0, len(toks)),))])
+
+    def step(runner, batch, nxt):
+        return runner.forward([ForwardInput((nxt[i],), (KVRun(blocks[i], 0, len(seqs[i])),), (KVRun(blocks[i], len(seqs[i]), 1),),
+                                            decode=True) for i in batch])
+
+    agree = 0
+    for _ in range(4):
+        nxt = {i: int(torch.randint(0, 512, (1,), generator=g)) for i in range(3)}
+        got = step(whole, [0, 1, 2], nxt)
+        ref = step(per_op, [0, 1, 2], nxt)
+        one_by_one = [step(alone, [i], nxt)[0] for i in (2, 0, 1)]
+        for i in range(3):
+            assert torch.equal(got[i], one_by_one[(1, 2, 0)[i]])  # alone or batched: the same bits
+            assert (got[i] - ref[i]).abs().max().item() < 0.05 * ref[i].abs().max().item()
+            agree += int(got[i].argmax() == ref[i].argmax())
+        for i in range(3):
+            seqs[i] += (nxt[i],)
+    assert agree >= 11  # of 12 greedy tokens
+    assert torch.equal(whole.arena.k_cache, alone.arena.k_cache) and torch.equal(whole.arena.v_cache, alone.arena.v_cache)
+    k_err = (whole.arena.k_cache.float() - per_op.arena.k_cache.float()).abs().max().item()
+    assert 0 < k_err < 0.05 * per_op.arena.k_cache.float().abs().max().item()  # the GEMMs differ, slightly
+
+
+def test_a_bf16_decode_plan_and_step_reject_what_they_cannot_run():
+    g = torch.Generator().manual_seed(5)
+    w = lambda *shape: torch.randn(*shape, generator=g).bfloat16()  # noqa: E731
+    layer = native.DecodeLayer(w(5 * 64, 192), None, w(192, 192), None, w(2 * 384, 192), w(192, 384), None, w(192), 1e-5,
+                               w(192), 1e-5)
+    plan = native.decode_plan([layer])
+    assert plan is not None and plan.dtype == torch.bfloat16 and (plan.hidden, plan.intermediate) == (192, 384)
+    mixed = native.DecodeLayer(*(t.float() if i == 2 else t for i, t in enumerate(
+        (layer.qkv, layer.qkv_bias, layer.o, layer.o_bias, layer.gate_up, layer.down, layer.down_bias, layer.post_norm))),
+        layer.post_eps, layer.next_norm, layer.next_eps)
+    assert native.decode_plan([mixed]) is None  # one dtype for every weight
+    odd = native.DecodeLayer(w(5 * 64, 176), None, w(176, 192), None, w(2 * 384, 176), w(176, 384), None, w(176), 1e-5,
+                             w(176), 1e-5)
+    assert native.decode_plan([odd]) is None  # hidden size not a multiple of 32
+    k = torch.zeros(1, 8, 1, 64, dtype=torch.bfloat16)
+    batch = native.attention_batch([torch.tensor([0, 1]), torch.tensor([2])], [1, 1], [True, True])
+    h, cos = w(2, 192), torch.ones(2, 64)
+    with pytest.raises(NativeKernelError):  # a float32 residual stream for a bf16 plan
+        native.decode_step(plan, h.float(), h.float(), 3, 1, cos, cos, k, k.clone(), torch.tensor([1, 2]), batch, 0.125)
+    with pytest.raises(NativeKernelError):  # a float32 arena
+        native.decode_step(plan, h, h.clone(), 3, 1, cos, cos, k.float(), k.float(), torch.tensor([1, 2]), batch, 0.125)
+    with pytest.raises(NativeKernelError):  # more rows than the batch has
+        native.decode_step(plan, w(3, 192), w(3, 192), 3, 1, torch.ones(3, 64), torch.ones(3, 64), k, k.clone(),
+                           torch.tensor([1, 2, 3]), batch, 0.125)
+    x = h.clone()
+    native.decode_step(plan, h, x, 3, 1, cos, cos, k, k.clone(), torch.tensor([1, 2]), batch, 0.125)  # and it runs
+    assert torch.isfinite(x.float()).all()

@@ -206,7 +206,7 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, *, per_s
     """
     weight = weight.detach()
     bias = bias.detach().contiguous() if bias is not None else None
-    rows = native.linear_rows_available(weight)
+    rows = weight.dtype == torch.float32 and native.linear_rows_available(weight)  # bf16 prompts keep oneDNN's bits
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
         return Linear(weight, bias, per_step=per_step, rows_kernel=rows)
     if weight.dtype not in _works:

@@ -1,6 +1,7 @@
 """Native CPU kernels (attention over paged KV, fused layer steps), via ctypes, for two dtypes:
 
-* **bf16** on CPUs with AVX512-BF16 (``csrc/paged_attention_bf16.c``, ``csrc/fused_bf16.c``);
+* **bf16** on CPUs with AVX512-BF16 (``csrc/paged_attention_bf16.c``, ``csrc/fused_bf16.c``,
+  ``csrc/decode_bf16.c``);
 * **float32** on every x86-64 CPU with AVX2 and FMA, AVX-512 ones included (``csrc/kernels_f32.c``;
   where the CPU has AVX-512F the attention's inner loops use 512-bit registers, same bits).
 
@@ -39,9 +40,10 @@ from ragcache_backend.config import ragcache_home
 log = logging.getLogger(__name__)
 
 #: the kernels' C files, compiled together into one library on first use
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("paged_attention_bf16.c", "fused_bf16.c", "kernels_f32.c"))
+SOURCES = tuple(Path(__file__).with_name("csrc") / name
+                for name in ("paged_attention_bf16.c", "fused_bf16.c", "decode_bf16.c", "kernels_f32.c"))
 #: headers the sources include (part of the library's build hash)
-HEADERS = tuple(Path(__file__).with_name("csrc") / name for name in ("simd_exp.h",))
+HEADERS = tuple(Path(__file__).with_name("csrc") / name for name in ("simd_exp.h", "bf16_common.h"))
 #: C compiler flags the kernels are built with (benchmarks/prompt_attention.py builds other revisions' kernels alike)
 BUILD_FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-std=gnu11")
 _lock = threading.Lock()
@@ -106,13 +108,15 @@ def _build() -> ctypes.CDLL | None:
         silu.argtypes = [ptr, i64, i64, ptr, nt]
     lib.rc32_linear_rows.restype = None
     lib.rc32_linear_rows.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, nt]
+    lib.rc_linear_rows.restype = ctypes.c_int
+    lib.rc_linear_rows.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, nt]
     lib.rc32_segment_mass.restype = ctypes.c_int
     lib.rc32_segment_mass.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, i64, ptr, i64, f32, ptr, nt]
     lib.rc32_wide.restype = ctypes.c_int
     lib.rc32_wide.argtypes = [nt]
-    lib.rc32_decode_step.restype = ctypes.c_int
-    lib.rc32_decode_step.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr,
-                                     ptr, f32, nt]
+    for step in (lib.rc32_decode_step, lib.rc_decode_step):
+        step.restype = ctypes.c_int
+        step.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, f32, nt]
     if lib.rc_supported():
         _KERNEL_DTYPES[torch.bfloat16] = "AVX512-BF16"
     if lib.rc32_supported():
@@ -488,44 +492,58 @@ LINEAR_ROWS_MAX = 16
 kernel is faster (measured on a 2-core AMD EPYC, AVX2, SmolLM2-135M's shapes)."""
 
 
+_LINEAR_K_MULTIPLE = {torch.float32: 8, torch.bfloat16: 32}  # input sizes each few-row linear kernel tiles
+_LINEAR_N_MULTIPLE = {torch.float32: 1, torch.bfloat16: 4}  # output sizes
+
+
 def linear_rows_available(weight: torch.Tensor) -> bool:
-    """Whether :func:`linear_rows` can run over ``weight`` (float32 ``[N, K]`` on the CPU,
-    contiguous, ``K`` a multiple of 8, float32 kernels available)."""
-    return (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2 and weight.is_contiguous()
-            and weight.shape[1] % 8 == 0 and _kernel(torch.float32, "paged_attention") is not None)
+    """Whether :func:`linear_rows` can run over ``weight``: ``[N, K]`` on the CPU, contiguous, float32
+    (``K`` a multiple of 8, float32 kernels available) or bf16 (``K`` a multiple of 32, ``N`` of 4,
+    bf16 kernels available: AVX512-BF16)."""
+    return (weight.dtype in _LINEAR_K_MULTIPLE and weight.device.type == "cpu" and weight.dim() == 2
+            and weight.is_contiguous() and weight.shape[1] % _LINEAR_K_MULTIPLE[weight.dtype] == 0
+            and weight.shape[0] % _LINEAR_N_MULTIPLE[weight.dtype] == 0
+            and _kernel(weight.dtype, "paged_attention") is not None)
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x W^T + b`` for a few float32 rows, streaming the weight from memory once for all of them.
+    """``x W^T + b`` for a few rows, streaming the weight from memory once for all of them.
 
     A decode step of a small model is bound by reading its weights: oneDNN's GEMM reaches ~16 GB/s
-    on small layers at one row here, this ~25 GB/s (``benchmarks/forward_vs_vllm.py`` prints the
-    memory bandwidth and the floor it implies). Each row's result is independent of the others.
+    on small layers at one row here, this ~25 GB/s in float32 (``benchmarks/forward_vs_vllm.py`` prints
+    the memory bandwidth and the floor it implies). Each row's result is independent of the other
+    rows and of how many there are. float32: FMAs in float32. bf16 (``csrc/decode_bf16.c``): VDPBF16PS
+    products accumulated in float32, the bias added, one bf16 rounding per output; the bits differ
+    from PyTorch's bf16 GEMM by the summation order.
 
     Args:
-        x: ``[M, K]`` float32 (``M`` up to :data:`LINEAR_ROWS_MAX` is where it pays).
-        weight: ``[N, K]`` float32, contiguous; bias: ``[N]`` float32 or None.
+        x: ``[M, K]`` of the weight's dtype (``M`` up to :data:`LINEAR_ROWS_MAX` is where it pays).
+        weight: ``[N, K]`` float32 or bf16, contiguous (:func:`linear_rows_available`); bias: ``[N]``
+            of its dtype, or None.
 
     Returns:
-        ``[M, N]`` float32.
+        ``[M, N]`` of the weight's dtype.
 
     Raises:
         NativeKernelError: the kernel is unavailable or the arguments do not fit it.
     """
-    fn = _kernel(torch.float32, "paged_attention")
     m, k = x.shape
-    _check(fn is not None and linear_rows_available(weight) and weight.shape[1] == k and x.dtype == torch.float32
-           and (bias is None or (bias.shape == (weight.shape[0],) and bias.dtype == torch.float32 and bias.is_contiguous())),
+    _check(linear_rows_available(weight) and weight.shape[1] == k and x.dtype == weight.dtype and m >= 1
+           and (bias is None or (bias.shape == (weight.shape[0],) and bias.dtype == weight.dtype and bias.is_contiguous())),
            f"linear_rows: bad arguments x={tuple(x.shape)}/{x.dtype} weight={tuple(weight.shape)}/{weight.dtype}")
     x = x.contiguous()
-    out = torch.empty((m, weight.shape[0]), dtype=torch.float32)
-    _library().rc32_linear_rows(x.data_ptr(), m, k, weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                                weight.shape[0], out.data_ptr(), torch.get_num_threads())
+    out = torch.empty((m, weight.shape[0]), dtype=weight.dtype)
+    fn = _library().rc32_linear_rows if weight.dtype == torch.float32 else _library().rc_linear_rows
+    rc = fn(x.data_ptr(), m, k, weight.data_ptr(), None if bias is None else bias.data_ptr(), weight.shape[0],
+            out.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise NativeKernelError(f"linear_rows failed with code {rc} (1: arguments)")
     return out
 
 
 class _LayerStruct(ctypes.Structure):
-    """``rc32_layer_t`` of ``csrc/kernels_f32.c``: one decoder layer's weights for :func:`decode_step`."""
+    """``rc32_layer_t`` of ``csrc/kernels_f32.c`` and ``rc_layer_t`` of ``csrc/decode_bf16.c`` (the same
+    layout, pointers to float32 or bf16): one decoder layer's weights for :func:`decode_step`."""
 
     _fields_ = [("qkv_w", ctypes.c_void_p), ("qkv_b", ctypes.c_void_p), ("o_w", ctypes.c_void_p),
                 ("o_b", ctypes.c_void_p), ("gu_w", ctypes.c_void_p), ("down_w", ctypes.c_void_p),
@@ -535,7 +553,8 @@ class _LayerStruct(ctypes.Structure):
 
 @dataclass(slots=True, frozen=True)
 class DecodeLayer:
-    """One decoder layer as :func:`decode_plan` takes it (float32, contiguous, on the CPU).
+    """One decoder layer as :func:`decode_plan` takes it (float32 or bf16, one dtype for all, contiguous,
+    on the CPU).
 
     Attributes:
         qkv: ``[(Hq + 2 Hkv) D, H]`` fused Q/K/V weight; qkv_bias: its ``[(Hq + 2 Hkv) D]`` bias or None.
@@ -564,51 +583,65 @@ class DecodePlan:
     """The layers of a model as :func:`decode_step` reads them, built once (:func:`decode_plan`).
 
     Attributes:
-        layers: the ``rc32_layer_t`` array; keep: the tensors its pointers point into.
+        layers: the layer structs' array; keep: the tensors its pointers point into.
         hidden, intermediate: ``H`` and ``I``.
+        dtype: the weights' dtype (float32: ``rc32_decode_step``; bf16: ``rc_decode_step``).
     """
 
     layers: ctypes.Array
     keep: tuple
     hidden: int
     intermediate: int
+    dtype: torch.dtype = torch.float32
+
+
+_STEP_SIZE_MULTIPLE = {torch.float32: 8, torch.bfloat16: 32}  # hidden and MLP sizes each decode step tiles
 
 
 def decode_plan(layers: list[DecodeLayer]) -> DecodePlan | None:
-    """The float32 decode-step plan of ``layers``, or None where :func:`decode_step` cannot run them
-    (no float32 kernels, a tensor that is not a contiguous float32 CPU tensor, sizes that are not
-    multiples of 8)."""
-    if not layers or _kernel(torch.float32, "paged_attention") is None:
+    """The decode-step plan of ``layers``, or None where :func:`decode_step` cannot run them: no
+    native kernels for their dtype here (float32: AVX2 + FMA; bf16: AVX512-BF16), a tensor that is
+    not a contiguous CPU tensor of the first weight's dtype, hidden or MLP sizes that are not
+    multiples of 8 (float32) or 32 (bf16)."""
+    if not layers:
+        return None
+    dtype = layers[0].qkv.dtype
+    if dtype not in _STEP_SIZE_MULTIPLE or _kernel(dtype, "paged_attention") is None:
         return None
     tensors = [t for lay in layers for t in (lay.qkv, lay.qkv_bias, lay.o, lay.o_bias, lay.gate_up, lay.down, lay.down_bias,
                                              lay.post_norm, lay.next_norm) if t is not None]
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+    if any(t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
         return None
     hidden, intermediate = layers[0].qkv.shape[1], layers[0].down.shape[1]
-    if hidden % 8 or intermediate % 8:
+    if hidden % _STEP_SIZE_MULTIPLE[dtype] or intermediate % _STEP_SIZE_MULTIPLE[dtype]:
         return None
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     array = (_LayerStruct * len(layers))(*[
         _LayerStruct(ptr(lay.qkv), ptr(lay.qkv_bias), ptr(lay.o), ptr(lay.o_bias), ptr(lay.gate_up), ptr(lay.down),
                      ptr(lay.down_bias), ptr(lay.post_norm), ptr(lay.next_norm), lay.post_eps, lay.next_eps)
         for lay in layers])
-    return DecodePlan(array, tuple(tensors), hidden, intermediate)
+    return DecodePlan(array, tuple(tensors), hidden, intermediate, dtype)
 
 
 def decode_step(plan: DecodePlan, h: torch.Tensor, x: torch.Tensor, num_heads: int, num_kv_heads: int,
                 cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, write: torch.Tensor,
                 batch: AttentionBatch, scale: float) -> None:
     """Every decoder layer of a step whose rows are all generated tokens (at most
-    :data:`LINEAR_ROWS_MAX`), in one native call: the same arithmetic, bit for bit, as the
-    per-operation kernels (:func:`linear_rows`, :func:`rope_write`, :func:`paged_attention`,
-    :func:`add_rms_norm`, :func:`silu_mul`), without their per-call dispatch.
+    :data:`LINEAR_ROWS_MAX`), in one native call and one OpenMP region.
+
+    float32 (``rc32_decode_step``): the same arithmetic, bit for bit, as the per-operation kernels
+    (:func:`linear_rows`, :func:`rope_write`, :func:`paged_attention`, :func:`add_rms_norm`,
+    :func:`silu_mul`), without their per-call dispatch. bf16 (``rc_decode_step``): the per-operation
+    kernels' rows, with :func:`linear_rows`' bf16 GEMM in place of PyTorch's (the bits differ from the
+    per-operation path's by the GEMMs' float32 summation order; a row's bits never depend on the
+    other rows of the step).
 
     Args:
-        plan: the model's layers (:func:`decode_plan`).
-        h: ``[M, H]`` float32 residual stream (the embeddings), contiguous; updated in place.
-        x: ``[M, H]`` float32, contiguous: layer 0's input-normed rows in, the final-normed rows out.
+        plan: the model's layers (:func:`decode_plan`), of the dtype of ``h``, ``x`` and the arena.
+        h: ``[M, H]`` residual stream (the embeddings), contiguous; updated in place.
+        x: ``[M, H]``, contiguous: layer 0's input-normed rows in, the final-normed rows out.
         cos, sin: ``[M, D]`` float32 RoPE tables of the rows' positions.
-        k_cache, v_cache: the whole arena, ``[layers, slots, Hkv, D]`` float32, contiguous.
+        k_cache, v_cache: the whole arena, ``[layers, slots, Hkv, D]``, contiguous.
         write: ``[M]`` int64 slot of each row's new K/V.
         batch: the rows' contexts (:func:`attention_batch`, every row a decode row).
         scale: softmax scale.
@@ -618,15 +651,20 @@ def decode_step(plan: DecodePlan, h: torch.Tensor, x: torch.Tensor, num_heads: i
     """
     m, hidden = h.shape
     d = k_cache.shape[-1]
-    _check(_kernel(torch.float32, "paged_attention") is not None and 1 <= m <= LINEAR_ROWS_MAX and hidden == plan.hidden
-           and h.is_contiguous() and x.shape == h.shape and x.is_contiguous() and h.dtype == x.dtype == torch.float32
+    dtype = plan.dtype
+    _check(_kernel(dtype, "paged_attention") is not None and 1 <= m <= LINEAR_ROWS_MAX and hidden == plan.hidden
+           and h.is_contiguous() and x.shape == h.shape and x.is_contiguous() and h.dtype == x.dtype == dtype
            and k_cache.is_contiguous() and v_cache.shape == k_cache.shape and v_cache.is_contiguous()
-           and k_cache.dtype == torch.float32 and k_cache.shape[0] == len(plan.layers) and k_cache.shape[2] == num_kv_heads
-           and cos.shape == (m, d) and sin.shape == (m, d) and cos.is_contiguous() and sin.is_contiguous()
+           and k_cache.dtype == dtype and v_cache.dtype == dtype and k_cache.shape[0] == len(plan.layers)
+           and k_cache.shape[2] == num_kv_heads and d % _HEAD_MULTIPLE[dtype] == 0
+           and cos.shape == (m, d) and sin.shape == (m, d) and cos.dtype == sin.dtype == torch.float32
+           and cos.is_contiguous() and sin.is_contiguous()
            and write.shape == (m,) and write.dtype == torch.int64 and write.is_contiguous()
            and batch.num_rows == m and len(batch.decode) == m and bool(batch.decode.all()),
-           f"decode_step: bad arguments h={tuple(h.shape)} kv={tuple(k_cache.shape)} rows={batch.num_rows}")
-    rc = _library().rc32_decode_step(
+           f"decode_step: bad arguments h={tuple(h.shape)}/{h.dtype} kv={tuple(k_cache.shape)}/{k_cache.dtype} "
+           f"plan {plan.dtype} rows={batch.num_rows}")
+    step = _library().rc32_decode_step if dtype == torch.float32 else _library().rc_decode_step
+    rc = step(
         ctypes.addressof(plan.layers), len(plan.layers), h.data_ptr(), x.data_ptr(), m, hidden, num_heads, num_kv_heads, d,
         plan.intermediate, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
         write.data_ptr(), batch.slots.data_ptr(), batch.ctx_off.data_ptr(), scale, torch.get_num_threads())

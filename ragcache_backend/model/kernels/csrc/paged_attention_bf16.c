@@ -16,7 +16,7 @@
  * prompt's attention output is the same whether its prefix came from the cache (small T, large P)
  * or was computed in the same call (P = 0): the reason this kernel exists (bf16 cache exactness).
  *
- * Generated tokens (decode_item) read the arena without packing and keep float32 probabilities;
+ * Generated tokens (rc_decode_item) read the arena without packing and keep float32 probabilities;
  * they never serve a prompt token, so the prompt exactness above is unaffected.
  *
  * Threads: OpenMP over (sequence, KV head, query block); linked against the libgomp that torch has already
@@ -29,13 +29,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "simd_exp.h" /* exp512 */
+#include "bf16_common.h" /* bf16_t, rc_decode_item's declaration */
+#include "simd_exp.h"    /* exp512 */
 
 #define KB 64      /* keys per block */
 #define QT 4       /* query vectors per register tile */
 #define QPOS 16    /* query positions per work item */
-
-typedef uint16_t bf16_t;
 
 int rc_supported(void) {
     __builtin_cpu_init();
@@ -176,8 +175,7 @@ static void pack_keys(const bf16_t *kc, const bf16_t *vc, int64_t slot_row, cons
  * context keys 0 .. P read straight from the arena, without packing: scores in float32 from
  * VDPBF16PS dot products, one softmax pass, PV with float32 FMAs. Used for generated tokens only
  * (a prompt token always takes attend_item, whatever its count), so prompt rows stay exact. */
-__attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl")))
-static int decode_item(const bf16_t *q, int64_t D, int64_t g, int64_t h, int64_t S, const bf16_t *kc,
+TGT_BF16 HIDDEN int rc_decode_item(const bf16_t *q, int64_t D, int64_t g, int64_t h, int64_t S, const bf16_t *kc,
                        const bf16_t *vc, int64_t slot_row, const int64_t *slots, float scale, bf16_t *out) {
     float *scores = malloc(sizeof(float) * (size_t)(g * S));
     if (!scores) return 2;
@@ -305,7 +303,7 @@ int rc_paged_attention(const bf16_t *q, int64_t q_row, const bf16_t *kc, const b
             const bf16_t *qs = q + q_off[it.seq] * q_row;
             bf16_t *os = out + q_off[it.seq] * Hq * D;
             if (it.t1 < 0) {
-                if (decode_item(qs, D, g, it.h, S, kc, vc, Hkv * D, slots + ctx_off[it.seq], scale, os)) {
+                if (rc_decode_item(qs, D, g, it.h, S, kc, vc, Hkv * D, slots + ctx_off[it.seq], scale, os)) {
 #pragma omp atomic write
                     failed = 2;
                 }

@@ -1,0 +1,37 @@
+/* What the bf16 kernel files share (ragcache): bf16 loads, stores and roundings on AVX-512 registers,
+ * and the row kernels one file defines and another calls (hidden: not exported from the library).
+ * Included by paged_attention_bf16.c, fused_bf16.c and decode_bf16.c. */
+#ifndef RAGCACHE_BF16_COMMON_H
+#define RAGCACHE_BF16_COMMON_H
+#include <immintrin.h>
+#include <stdint.h>
+
+typedef uint16_t bf16_t;
+
+#define TGT_BF16 __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl")))
+#define HIDDEN __attribute__((visibility("hidden")))
+
+TGT_BF16 static inline __m512 load_bf16(const bf16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+TGT_BF16 static inline void store_bf16(bf16_t *p, __m512 x) {
+    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(x));
+}
+
+TGT_BF16 static inline __m512 round_bf16(__m512 x) { /* x rounded to bf16, back in float32 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+}
+
+/* fused_bf16.c: one row of rc_rope_write (x: [Hq + 2 Hkv, D], kd/vd: its arena slot [Hkv, D]),
+ * rc_add_rms_norm (delta may be NULL) and rc_silu_mul (g, u: [I]) */
+HIDDEN void rc_rope_write_row(bf16_t *x, int64_t Hq, int64_t Hkv, int64_t D, const float *c, const float *s, bf16_t *kd,
+                              bf16_t *vd);
+HIDDEN void rc_add_rms_norm_row(bf16_t *x, const bf16_t *delta, const bf16_t *weight, float eps, int64_t H, bf16_t *out);
+HIDDEN void rc_silu_mul_row(const bf16_t *g, const bf16_t *u, int64_t I, bf16_t *out);
+
+/* paged_attention_bf16.c: one generated token's g query heads of KV head h over its S context keys
+ * (returns 0, or 2 when out of memory) */
+HIDDEN int rc_decode_item(const bf16_t *q, int64_t D, int64_t g, int64_t h, int64_t S, const bf16_t *kc, const bf16_t *vc,
+                          int64_t slot_row, const int64_t *slots, float scale, bf16_t *out);
+#endif

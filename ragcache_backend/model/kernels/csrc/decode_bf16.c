@@ -1,0 +1,162 @@
+/* A whole bf16 decode step in one call, and the few-row bf16 linear layer it is built on, for CPUs
+ * with AVX512-BF16 (ragcache).
+ *
+ * Why: a decode step of a small model reads its weights once and otherwise does little; run as
+ * one PyTorch GEMM and one native call per operation it pays ~9 dispatches and OpenMP regions per
+ * layer (~270 a step for a 30-layer model), and where another thread of the process owns an OpenMP
+ * pool libgomp throttles its spinning between regions, which made such a step up to 2x slower
+ * (benchmarks/omp_thread_penalty.py). Here every layer of the step runs in one parallel region.
+ *
+ * The linear layer, y [M, N] = x [M, K] W [N, K]^T (+ b): W in PyTorch's own layout (no packed copy),
+ * each thread streaming a contiguous range of W's rows once for all M rows (M <= 16); per output,
+ * VDPBF16PS over K in steps of 32 into one float32 register, its 16 lanes summed, the bias added,
+ * one bf16 rounding (round to nearest even). An output's operations never depend on M or on the
+ * other rows, so a generated token gets the same bits alone or in a batch. The bits differ from
+ * PyTorch's (oneDNN's) bf16 GEMM by the float32 summation order: a prompt never takes this path
+ * (its K/V must be the same bits cached or not, which the per-operation path keeps), and a
+ * generated token's K/V is not kept as cache blocks in bf16.
+ *
+ * The step: per layer QKV, RoPE + KV write, decode attention (rc_decode_item: the per-operation
+ * path's kernel, same bits), O, add + RMSNorm, gate/up, SiLU x up, down, add + RMSNorm, the threads
+ * meeting between the phases; the row phases are the per-operation kernels' rows (same bits).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16_common.h"
+
+#define NT 4 /* outputs (rows of W) per register tile (sum4 reduces four) */
+
+/* The sums of a, b, c and d's 16 lanes each, as [sum a, sum b, sum c, sum d] (a fixed order of
+ * additions: halves of 256 bits, of 128, then of 64 and 32 bits). */
+TGT_BF16 __attribute__((always_inline)) static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+    __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+    t = _mm512_add_ps(t, _mm512_permute_ps(t, 0x4E));
+    t = _mm512_add_ps(t, _mm512_permute_ps(t, 0xB1));
+    return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), t));
+}
+
+/* Outputs n0 .. n0 + NT - 1 of rows m0 .. m0 + MR - 1 (MR a constant after inlining). */
+TGT_BF16 __attribute__((always_inline)) static inline void tile(const bf16_t *x, int64_t K, const bf16_t *W, const bf16_t *b,
+                                                                int64_t N, bf16_t *y, int64_t n0, int64_t m0, const int MR) {
+    __m512 acc[NT][4];
+    for (int i = 0; i < NT; i++)
+        for (int j = 0; j < MR; j++) acc[i][j] = _mm512_setzero_ps();
+    const bf16_t *w0 = W + n0 * K, *x0 = x + m0 * K;
+    for (int64_t k = 0; k < K; k += 32) {
+        __m512bh wv[NT], xv[4];
+        for (int i = 0; i < NT; i++) wv[i] = (__m512bh)_mm512_loadu_si512(w0 + i * K + k);
+        for (int j = 0; j < MR; j++) xv[j] = (__m512bh)_mm512_loadu_si512(x0 + j * K + k);
+        for (int i = 0; i < NT; i++)
+            for (int j = 0; j < MR; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[i], xv[j]);
+    }
+    const __m128 bias = b ? _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)(b + n0))), 16))
+                          : _mm_setzero_ps(); /* outputs n0 .. n0 + 3 */
+    for (int j = 0; j < MR; j++) {
+        __m128 sums = _mm_add_ps(sum4(acc[0][j], acc[1][j], acc[2][j], acc[3][j]), bias);
+        _mm_storel_epi64((__m128i *)(y + (m0 + j) * N + n0), (__m128i)_mm_cvtneps_pbh(sums));
+    }
+}
+
+/* The linear layer inside a parallel region (an omp for over the outputs, static: each thread
+ * streams one contiguous range of W). K % 32 == 0, N % NT == 0. */
+TGT_BF16 static void linear_for(const bf16_t *x, int64_t M, int64_t K, const bf16_t *W, const bf16_t *b, int64_t N, bf16_t *y) {
+#pragma omp for schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += NT) {
+        int64_t m0 = 0;
+        for (; m0 + 4 <= M; m0 += 4) tile(x, K, W, b, N, y, n0, m0, 4);
+        switch (M - m0) {
+        case 3: tile(x, K, W, b, N, y, n0, m0, 3); break;
+        case 2: tile(x, K, W, b, N, y, n0, m0, 2); break;
+        case 1: tile(x, K, W, b, N, y, n0, m0, 1); break;
+        default: break;
+        }
+    }
+}
+
+/* y [M, N] = x [M, K] W [N, K]^T (+ b [N]), bf16, for few rows (see the file's comment).
+ * Returns 0, or 1 when K is not a multiple of 32 or N not a multiple of 4. */
+TGT_BF16 int rc_linear_rows(const bf16_t *x, int64_t M, int64_t K, const bf16_t *W, const bf16_t *b, int64_t N, bf16_t *y,
+                            int nthreads) {
+    if (M < 1 || K < 32 || K % 32 || N < NT || N % NT || nthreads < 1) return 1;
+#pragma omp parallel num_threads(nthreads)
+    linear_for(x, M, K, W, b, N, y);
+    return 0;
+}
+
+/* One decoder layer's weights, as rc_decode_step reads them (bf16). */
+typedef struct {
+    const bf16_t *qkv_w, *qkv_b;   /* [(Hq + 2 Hkv) D, H] and its bias or NULL */
+    const bf16_t *o_w, *o_b;       /* [H, Hq D] */
+    const bf16_t *gu_w;            /* [2 I, H]: gate rows, then up rows */
+    const bf16_t *down_w, *down_b; /* [H, I] */
+    const bf16_t *post_norm;       /* [H]: post-attention RMSNorm */
+    const bf16_t *next_norm;       /* [H]: the next layer's input RMSNorm, or the final norm */
+    float post_eps, next_eps;
+} rc_layer_t;
+
+/* Every decoder layer of a step whose M rows (M <= 16) are all generated tokens, in one call and
+ * one parallel region.
+ *   h: [M, H] residual stream (in: the embeddings; updated in place);
+ *   x: [M, H] in: layer 0's input-normed rows; out: the final-normed rows;
+ *   cos, sin: [M, D] float32; k_base, v_base: the arena, layer l at + l * layer_stride ([slots, Hkv, D]);
+ *   write: [M] slot of each row's new K/V; slots/ctx_off: each row's context (its new token last).
+ * Returns 0, 1 on bad arguments, 2 when out of memory. */
+TGT_BF16 int rc_decode_step(const rc_layer_t *layers, int64_t L, bf16_t *h, bf16_t *x, int64_t M, int64_t H, int64_t Hq,
+                            int64_t Hkv, int64_t D, int64_t I, const float *cos, const float *sin, bf16_t *k_base,
+                            bf16_t *v_base, int64_t layer_stride, const int64_t *write, const int64_t *slots,
+                            const int64_t *ctx_off, float scale, int nthreads) {
+    if (M < 1 || M > 16 || L < 1 || Hkv < 1 || Hq % Hkv || Hq / Hkv > 8 || D % 64 || D > 256 || H % 32 || I % 32 ||
+        nthreads < 1)
+        return 1;
+    for (int64_t b = 0; b < M; b++)
+        if (ctx_off[b + 1] - ctx_off[b] < 1) return 1;
+    const int64_t g = Hq / Hkv, row = (Hq + 2 * Hkv) * D, slot_row = Hkv * D;
+    bf16_t *qkv = malloc(sizeof(bf16_t) * (size_t)(M * row));
+    bf16_t *att = malloc(sizeof(bf16_t) * (size_t)(M * Hq * D));
+    bf16_t *tmp = malloc(sizeof(bf16_t) * (size_t)(M * H));
+    bf16_t *gu = malloc(sizeof(bf16_t) * (size_t)(M * 2 * I));
+    bf16_t *act = malloc(sizeof(bf16_t) * (size_t)(M * I));
+    int failed = 0;
+    if (!qkv || !att || !tmp || !gu || !act) {
+        failed = 2;
+        goto done;
+    }
+#pragma omp parallel num_threads(nthreads)
+    for (int64_t l = 0; l < L; l++) {
+        const rc_layer_t *w = layers + l;
+        bf16_t *kc = k_base + l * layer_stride, *vc = v_base + l * layer_stride;
+        linear_for(x, M, H, w->qkv_w, w->qkv_b, row, qkv);
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < M; n++)
+            rc_rope_write_row(qkv + n * row, Hq, Hkv, D, cos + n * D, sin + n * D, kc + write[n] * slot_row,
+                              vc + write[n] * slot_row);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < M * Hkv; it++) {
+            const int64_t b = it / Hkv, hh = it % Hkv;
+            if (rc_decode_item(qkv + b * row, D, g, hh, ctx_off[b + 1] - ctx_off[b], kc, vc, slot_row, slots + ctx_off[b],
+                               scale, att + b * Hq * D)) {
+#pragma omp atomic write
+                failed = 2;
+            }
+        }
+        linear_for(att, M, Hq * D, w->o_w, w->o_b, H, tmp);
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < M; n++) rc_add_rms_norm_row(h + n * H, tmp + n * H, w->post_norm, w->post_eps, H, x + n * H);
+        linear_for(x, M, H, w->gu_w, NULL, 2 * I, gu);
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < M; n++) rc_silu_mul_row(gu + n * 2 * I, gu + n * 2 * I + I, I, act + n * I);
+        linear_for(act, M, I, w->down_w, w->down_b, H, tmp);
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < M; n++) rc_add_rms_norm_row(h + n * H, tmp + n * H, w->next_norm, w->next_eps, H, x + n * H);
+    }
+done:
+    free(qkv); free(att); free(tmp); free(gu); free(act);
+    return failed;
+}
