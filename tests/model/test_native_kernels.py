@@ -52,7 +52,11 @@ def test_paged_attention_rows_do_not_depend_on_the_other_rows():
     assert torch.equal(head, cold[:300])
 
 
-@pytest.mark.parametrize("context,hq,hkv,d", [(1, 9, 3, 64), (15, 9, 3, 64), (16, 9, 3, 64), (1000, 9, 3, 64), (77, 8, 1, 128)])
+@pytest.mark.parametrize("context,hq,hkv,d", [(1, 9, 3, 64), (15, 9, 3, 64), (16, 9, 3, 64), (1000, 9, 3, 64), (77, 8, 1, 128),
+                                               # every group size 1..8 (each has its own inlined loop), key counts
+                                               # around the four-key tiles, head sizes up to 256
+                                               (5, 2, 2, 64), (6, 4, 2, 192), (7, 4, 1, 64), (9, 10, 2, 256),
+                                               (2, 12, 2, 64), (3, 14, 2, 128), (513, 16, 2, 64)])
 def test_decode_kernel_matches_the_reference(context, hq, hkv, d):
     kc, vc = _arena(2048, hkv, d, seed=context)
     g = torch.Generator().manual_seed(9)

@@ -23,6 +23,17 @@ TGT_BF16 static inline __m512 round_bf16(__m512 x) { /* x rounded to bf16, back 
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
 }
 
+/* The sums of a, b, c and d's 16 lanes each, as [sum a, sum b, sum c, sum d] (a fixed order of
+ * additions: halves of 256 bits, of 128, then of 64 and 32 bits). */
+TGT_BF16 __attribute__((always_inline)) static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+    __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+    t = _mm512_add_ps(t, _mm512_permute_ps(t, 0x4E));
+    t = _mm512_add_ps(t, _mm512_permute_ps(t, 0xB1));
+    return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), t));
+}
+
 /* fused_bf16.c: one row of rc_rope_write (x: [Hq + 2 Hkv, D], kd/vd: its arena slot [Hkv, D]),
  * rc_add_rms_norm (delta may be NULL) and rc_silu_mul (g, u: [I]) */
 HIDDEN void rc_rope_write_row(bf16_t *x, int64_t Hq, int64_t Hkv, int64_t D, const float *c, const float *s, bf16_t *kd,

@@ -31,17 +31,6 @@
 
 #define NT 4 /* outputs (rows of W) per register tile (sum4 reduces four) */
 
-/* The sums of a, b, c and d's 16 lanes each, as [sum a, sum b, sum c, sum d] (a fixed order of
- * additions: halves of 256 bits, of 128, then of 64 and 32 bits). */
-TGT_BF16 __attribute__((always_inline)) static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-    __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-    __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
-    __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
-    t = _mm512_add_ps(t, _mm512_permute_ps(t, 0x4E));
-    t = _mm512_add_ps(t, _mm512_permute_ps(t, 0xB1));
-    return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), t));
-}
-
 /* Outputs n0 .. n0 + NT - 1 of rows m0 .. m0 + MR - 1 (MR a constant after inlining). */
 TGT_BF16 __attribute__((always_inline)) static inline void tile(const bf16_t *x, int64_t K, const bf16_t *W, const bf16_t *b,
                                                                 int64_t N, bf16_t *y, int64_t n0, int64_t m0, const int MR) {

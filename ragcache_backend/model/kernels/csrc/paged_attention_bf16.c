@@ -171,6 +171,69 @@ static void pack_keys(const bf16_t *kc, const bf16_t *vc, int64_t slot_row, cons
     }
 }
 
+/* scale * q . k of query heads h g + i0 .. h g + i0 + NI - 1 (NI a constant after inlining) for the S
+ * context keys of KV head h, into scores [g][S]: four keys at a time, each key's D values read once
+ * for the NI heads, the four keys' sums reduced together (sum4); the last S % 4 keys one by one. */
+TGT_BF16 __attribute__((always_inline)) static inline void decode_scores(const bf16_t *q, int64_t D, int64_t g, int64_t h,
+                                                                         int64_t i0, int64_t S, const bf16_t *kc,
+                                                                         int64_t slot_row, const int64_t *slots, float scale,
+                                                                         float *scores, const int NI) {
+    const int64_t nq = D / 32;
+    __m512bh qv[4][8];
+    for (int i = 0; i < NI; i++)
+        for (int64_t c = 0; c < nq; c++) qv[i][c] = (__m512bh)_mm512_loadu_si512(q + (h * g + i0 + i) * D + 32 * c);
+    const __m128 sc = _mm_set1_ps(scale);
+    int64_t j = 0;
+    for (; j + 4 <= S; j += 4) {
+        const bf16_t *kr[4];
+        for (int t = 0; t < 4; t++) kr[t] = kc + slots[j + t] * slot_row + h * D;
+        __m512 acc[4][4];
+        for (int i = 0; i < NI; i++)
+            for (int t = 0; t < 4; t++) acc[i][t] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < nq; c++) {
+            __m512bh kv[4];
+            for (int t = 0; t < 4; t++) kv[t] = (__m512bh)_mm512_loadu_si512(kr[t] + 32 * c);
+            for (int i = 0; i < NI; i++)
+                for (int t = 0; t < 4; t++) acc[i][t] = _mm512_dpbf16_ps(acc[i][t], kv[t], qv[i][c]);
+        }
+        for (int i = 0; i < NI; i++)
+            _mm_storeu_ps(scores + (i0 + i) * S + j, _mm_mul_ps(sum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]), sc));
+    }
+    for (; j < S; j++) {
+        const bf16_t *kr = kc + slots[j] * slot_row + h * D;
+        for (int i = 0; i < NI; i++) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t c = 0; c < nq; c++) acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(kr + 32 * c), qv[i][c]);
+            scores[(i0 + i) * S + j] = _mm512_reduce_add_ps(acc) * scale;
+        }
+    }
+}
+
+/* out[h g + i] = sum_j p[i][j] v[j] for the G (a constant after inlining) query heads of KV head h:
+ * probabilities p [G][S] in float32, each value row read once for the G heads, 64 dims at a time,
+ * float32 FMAs, one bf16 rounding. */
+TGT_BF16 __attribute__((always_inline)) static inline void decode_pv(const float *scores, int64_t D, int64_t g, int64_t h,
+                                                                     int64_t S, const bf16_t *vc, int64_t slot_row,
+                                                                     const int64_t *slots, bf16_t *out, const int G) {
+    for (int64_t dg = 0; dg < D; dg += 64) {
+        __m512 o[8][4];
+        for (int i = 0; i < G; i++)
+            for (int c = 0; c < 4; c++) o[i][c] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < S; j++) {
+            const bf16_t *vr = vc + slots[j] * slot_row + h * D + dg;
+            __m512 vv[4];
+            for (int c = 0; c < 4; c++) vv[c] = load_bf16(vr + 16 * c);
+            for (int i = 0; i < G; i++) {
+                __m512 p = _mm512_set1_ps(scores[i * S + j]);
+                for (int c = 0; c < 4; c++) o[i][c] = _mm512_fmadd_ps(p, vv[c], o[i][c]);
+            }
+        }
+        for (int i = 0; i < G; i++)
+            for (int c = 0; c < 4; c += 2)
+                _mm512_storeu_si512(out + (h * g + i) * D + dg + 16 * c, (__m512i)_mm512_cvtne2ps_pbh(o[i][c + 1], o[i][c]));
+    }
+}
+
 /* One generated token's g query heads (t = P, the last context position) of KV head h over
  * context keys 0 .. P read straight from the arena, without packing: scores in float32 from
  * VDPBF16PS dot products, one softmax pass, PV with float32 FMAs. Used for generated tokens only
@@ -179,23 +242,23 @@ TGT_BF16 HIDDEN int rc_decode_item(const bf16_t *q, int64_t D, int64_t g, int64_
                        const bf16_t *vc, int64_t slot_row, const int64_t *slots, float scale, bf16_t *out) {
     float *scores = malloc(sizeof(float) * (size_t)(g * S));
     if (!scores) return 2;
-    const int64_t nq = D / 32;
-    for (int64_t i = 0; i < g; i++) {
-        const bf16_t *qi = q + (h * g + i) * D;
-        __m512bh qv[8];
-        for (int64_t c = 0; c < nq; c++) qv[c] = (__m512bh)_mm512_loadu_si512(qi + 32 * c);
-        float m = -INFINITY;
-        float *si = scores + i * S;
-        for (int64_t j = 0; j < S; j++) {
-            const bf16_t *kr = kc + slots[j] * slot_row + h * D;
-            __m512 acc = _mm512_setzero_ps();
-            for (int64_t c = 0; c < nq; c++) acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(kr + 32 * c), qv[c]);
-            si[j] = _mm512_reduce_add_ps(acc) * scale;
-            if (si[j] > m) m = si[j];
+    for (int64_t i0 = 0; i0 < g; i0 += 4) { /* heads i0 .. i0 + 3: each key read once for them */
+        switch (g - i0 < 4 ? g - i0 : 4) {
+        case 1: decode_scores(q, D, g, h, i0, S, kc, slot_row, slots, scale, scores, 1); break;
+        case 2: decode_scores(q, D, g, h, i0, S, kc, slot_row, slots, scale, scores, 2); break;
+        case 3: decode_scores(q, D, g, h, i0, S, kc, slot_row, slots, scale, scores, 3); break;
+        default: decode_scores(q, D, g, h, i0, S, kc, slot_row, slots, scale, scores, 4); break;
         }
-        __m512 mv = _mm512_set1_ps(m), sum = _mm512_setzero_ps();
+    }
+    for (int64_t i = 0; i < g; i++) {
+        float *si = scores + i * S;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
         int64_t j = 0;
-        for (; j + 16 <= S; j += 16) {
+        for (; j + 16 <= S; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(si + j));
+        if (j < S) mx = _mm512_mask_max_ps(mx, (__mmask16)((1u << (S - j)) - 1u), mx, _mm512_maskz_loadu_ps((__mmask16)((1u << (S - j)) - 1u), si + j));
+        const float m = _mm512_reduce_max_ps(mx);
+        __m512 mv = _mm512_set1_ps(m), sum = _mm512_setzero_ps();
+        for (j = 0; j + 16 <= S; j += 16) {
             __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(si + j), mv));
             _mm512_storeu_ps(si + j, e);
             sum = _mm512_add_ps(sum, e);
@@ -209,23 +272,15 @@ TGT_BF16 HIDDEN int rc_decode_item(const bf16_t *q, int64_t D, int64_t g, int64_
         const float inv = 1.0f / _mm512_reduce_add_ps(sum);
         for (j = 0; j < S; j++) si[j] *= inv;
     }
-    for (int64_t dg = 0; dg < D; dg += 64) { /* out[i] = sum_j p[i][j] v[j], 64 dims at a time */
-        __m512 o[8][4];
-        for (int64_t i = 0; i < g; i++)
-            for (int c = 0; c < 4; c++) o[i][c] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < S; j++) {
-            const bf16_t *vr = vc + slots[j] * slot_row + h * D + dg;
-            __m512 vv[4];
-            for (int c = 0; c < 4; c++)
-                vv[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vr + 16 * c))), 16));
-            for (int64_t i = 0; i < g; i++) {
-                __m512 p = _mm512_set1_ps(scores[i * S + j]);
-                for (int c = 0; c < 4; c++) o[i][c] = _mm512_fmadd_ps(p, vv[c], o[i][c]);
-            }
-        }
-        for (int64_t i = 0; i < g; i++)
-            for (int c = 0; c < 4; c += 2)
-                _mm512_storeu_si512(out + (h * g + i) * D + dg + 16 * c, (__m512i)_mm512_cvtne2ps_pbh(o[i][c + 1], o[i][c]));
+    switch (g) { /* the heads' count a constant: their accumulators stay in registers */
+    case 1: decode_pv(scores, D, g, h, S, vc, slot_row, slots, out, 1); break;
+    case 2: decode_pv(scores, D, g, h, S, vc, slot_row, slots, out, 2); break;
+    case 3: decode_pv(scores, D, g, h, S, vc, slot_row, slots, out, 3); break;
+    case 4: decode_pv(scores, D, g, h, S, vc, slot_row, slots, out, 4); break;
+    case 5: decode_pv(scores, D, g, h, S, vc, slot_row, slots, out, 5); break;
+    case 6: decode_pv(scores, D, g, h, S, vc, slot_row, slots, out, 6); break;
+    case 7: decode_pv(scores, D, g, h, S, vc, slot_row, slots, out, 7); break;
+    default: decode_pv(scores, D, g, h, S, vc, slot_row, slots, out, 8); break;
     }
     free(scores);
     return 0;
