@@ -5,8 +5,10 @@ a parallel region its own pool of workers, and when the threads it manages outnu
 stops spinning between regions (100 spins instead of ~3 ms: ``gomp_throttled_spin_count_var``), so
 each region then waits for a worker to wake. A process whose main thread also ran torch (loading
 the model, embedding queries: the demo and the LangChain/LlamaIndex adapters) is in that state on a
-2-core machine; a bf16 decode step runs ~270 regions (oneDNN GEMMs and our row-wise kernels, per
-layer), a float32 one a single region (``rc32_decode_step``).
+2-core machine; a decode step run per operation has ~270 regions (oneDNN GEMMs and our row-wise
+kernels, per layer), a whole-step one a single region (``rc32_decode_step``; in bf16
+``rc_decode_step`` since 2026-11-27 evening: set ``layers.whole_step_decode = False`` to see the
+per-operation figures again).
 
 Measured here, the same decode steps (``forward_vs_vllm.py``'s kernel-level ``Ours.decode``: one
 sequence, 500 cached tokens, 32 steps), interleaved: on the main thread; on another thread while
