@@ -6,9 +6,9 @@ stops spinning between regions (100 spins instead of ~3 ms: ``gomp_throttled_spi
 each region then waits for a worker to wake. A process whose main thread also ran torch (loading
 the model, embedding queries: the demo and the LangChain/LlamaIndex adapters) is in that state on a
 2-core machine; a decode step run per operation has ~270 regions (oneDNN GEMMs and our row-wise
-kernels, per layer), a whole-step one a single region (``rc32_decode_step``; in bf16
-``rc_decode_step`` since 2026-11-27 evening: set ``layers.whole_step_decode = False`` to see the
-per-operation figures again).
+kernels, per layer), a whole-step one a single region (``rc32_decode_step``, and in bf16
+``rc_decode_step`` since 2026-11-27 evening) whose ~270 barriers wait the same way: the bf16
+whole step took 2.25x as long there (5.23 ms alone, 11.81 ms; 5.20 once released).
 
 Measured here, the same decode steps (``forward_vs_vllm.py``'s kernel-level ``Ours.decode``: one
 sequence, 500 cached tokens, 32 steps), interleaved: on the main thread; on another thread while

@@ -7,9 +7,10 @@ libgomp's ``gomp_throttled_spin_count_var``), so every region then waits for a w
 engine runs its forward steps on its own thread; once the thread that built it (loading the model)
 or that embeds queries for retrieval keeps a pool too, a 2-core machine is in that state, and a
 bf16 decode step run per operation (~270 regions: oneDNN GEMMs and the row-wise kernels of every
-layer) took 2.0x as long, a whole-step one (one region: ``rc32_decode_step``, and in bf16
-``rc_decode_step`` since) 1.2x (``benchmarks/omp_thread_penalty.py``, 2-core AMD EPYC Zen 5,
-2026-11-27). Prefill and mixed steps still run one region per operation.
+layer) took 2.0x as long, a float32 whole-step one (one region, ``rc32_decode_step``) 1.2x
+(``benchmarks/omp_thread_penalty.py``, 2-core AMD EPYC Zen 5, 2026-11-27). One region is no cure:
+its barriers (~9 a layer) wait the same way, and the bf16 whole-step decode (``rc_decode_step``,
+5.2 ms) took 2.25x as long there.
 
 :func:`release_thread_pool` frees the calling thread's pool (OpenMP 5.0's ``omp_pause_resource_all``):
 the engine calls it on the thread that built it, and the retrieval embedder after embedding on the
