@@ -241,6 +241,9 @@ class RAGCacheEngine(EngineCore):
             generator=torch.Generator().manual_seed(seed) if seed is not None else None,
             matcher=matcher, penalty_ids=penalty_ids, teacher=teacher,
         )
+        # the caller's thread may have run torch of its own (an application's embedding model): its
+        # OpenMP workers would slow the step loop's regions and barriers while this request runs
+        openmp.release_thread_pool()
         self._enqueue(req)
         return handle
 

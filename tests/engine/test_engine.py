@@ -234,3 +234,20 @@ def test_bfloat16_runs_and_reuses(tiny_model, fixed_profile):
     r = engine.generate("q", DOCS, GREEDY)
     assert r.cached_tokens > 0
     assert engine.runner.k_cache.dtype == torch.bfloat16
+
+
+def test_submit_frees_the_calling_threads_openmp_pool(engine, monkeypatch):
+    """A caller may have run torch of its own just before (an application's embedding model): the
+    OpenMP pool its thread then owns makes the step loop's regions and barriers sleep (up to 2.25x a
+    bf16 decode step, ``benchmarks/omp_thread_penalty.py``), so every submit frees it, on the
+    caller's thread (``openmp.release_thread_pool`` itself is tested in ``tests/model/test_openmp.py``)."""
+    from ragcache_backend.model.kernels import openmp
+
+    released: list[int] = []
+    monkeypatch.setattr(openmp, "release_thread_pool", lambda: released.append(threading.get_ident()) or True)
+    answers: list = []
+    caller = threading.Thread(target=lambda: answers.append(engine.generate("What is the GIL?", DOCS[:1], GREEDY)))
+    caller.start()
+    caller.join()
+    assert answers and answers[0].token_ids
+    assert caller.ident in released

@@ -3,14 +3,15 @@
  *
  * Why: a decode step of a small model reads its weights once and otherwise does little; run as
  * one PyTorch GEMM and one native call per operation it pays ~9 dispatches and OpenMP regions per
- * layer (~270 a step for a 30-layer model), and where another thread of the process owns an OpenMP
- * pool libgomp throttles its spinning between regions, which made such a step up to 2x slower
- * (benchmarks/omp_thread_penalty.py). Here every layer of the step runs in one parallel region.
+ * layer (~270 a step for a 30-layer model). Here every layer of the step runs in one parallel
+ * region: 11.8 -> 7.9 ms a step for SmolLM2-135M at batch 1 on a 2-core Zen 5, 1.36x the time of
+ * reading the weights once (benchmarks/forward_vs_vllm.py, docs/benchmarks.md). Its barriers still
+ * sleep where another thread of the process owns an OpenMP pool (model/kernels/openmp.py).
  *
  * The linear layer, y [M, N] = x [M, K] W [N, K]^T (+ b): W in PyTorch's own layout (no packed copy),
  * each thread streaming a contiguous range of W's rows once for all M rows (M <= 16); per output,
- * VDPBF16PS over K in steps of 32 into one float32 register, its 16 lanes summed, the bias added,
- * one bf16 rounding (round to nearest even). An output's operations never depend on M or on the
+ * VDPBF16PS over K in steps of 32 into one float32 register, its 16 lanes summed (four outputs'
+ * together, sum4), the bias added, one bf16 rounding (round to nearest even). An output's operations never depend on M or on the
  * other rows, so a generated token gets the same bits alone or in a batch. The bits differ from
  * PyTorch's (oneDNN's) bf16 GEMM by the float32 summation order: a prompt never takes this path
  * (its K/V must be the same bits cached or not, which the per-operation path keeps), and a
