@@ -24,21 +24,34 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import sys
+import threading
 
 log = logging.getLogger(__name__)
 _OMP_PAUSE_SOFT = 1
 _pauses: dict[str, object] = {}  # libgomp path -> its omp_pause_resource_all
+_scan_lock = threading.Lock()
+_scanned: tuple[int, list[str]] = (-1, [])  # (len(sys.modules) at the last scan, the libgomps it found)
 
 
 def _loaded_libgomps() -> list[str]:
     """The libgomp runtimes mapped into this process: torch's (wheels may name it
     ``libgomp-<hash>.so.1``) and others' (faiss-cpu ships its own). Opening a path again returns that
-    same runtime, never a second one. Empty without ``/proc`` or where none is loaded."""
-    try:
-        with open("/proc/self/maps") as maps:
-            return sorted({line.split()[-1] for line in maps if "libgomp" in line.rsplit("/", 1)[-1]})
-    except OSError:
-        return []
+    same runtime, never a second one. Empty without ``/proc`` or where none is loaded.
+
+    ``/proc/self/maps`` is read again only once a module was imported since the last read (a new
+    runtime comes with an extension module): reading it takes ~0.5 ms, and every submit asks."""
+    global _scanned
+    with _scan_lock:
+        if _scanned[0] == len(sys.modules):
+            return _scanned[1]
+        try:
+            with open("/proc/self/maps") as maps:
+                found = sorted({line.split()[-1] for line in maps if "libgomp" in line.rsplit("/", 1)[-1]})
+        except OSError:
+            found = []
+        _scanned = (len(sys.modules), found)
+        return found
 
 
 def release_thread_pool() -> bool:
