@@ -255,7 +255,10 @@ TGT_BF16 HIDDEN int rc_decode_item(const bf16_t *q, int64_t D, int64_t g, int64_
         __m512 mx = _mm512_set1_ps(-INFINITY);
         int64_t j = 0;
         for (; j + 16 <= S; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(si + j));
-        if (j < S) mx = _mm512_mask_max_ps(mx, (__mmask16)((1u << (S - j)) - 1u), mx, _mm512_maskz_loadu_ps((__mmask16)((1u << (S - j)) - 1u), si + j));
+        if (j < S) {
+            const __mmask16 tail = (__mmask16)((1u << (S - j)) - 1u);
+            mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, si + j));
+        }
         const float m = _mm512_reduce_max_ps(mx);
         __m512 mv = _mm512_set1_ps(m), sum = _mm512_setzero_ps();
         for (j = 0; j + 16 <= S; j += 16) {
