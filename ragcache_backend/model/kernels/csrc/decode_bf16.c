@@ -11,8 +11,9 @@
  * The linear layer, y [M, N] = x [M, K] W [N, K]^T (+ b): W in PyTorch's own layout (no packed copy),
  * each thread streaming a contiguous range of W's rows once for all M rows (M <= 16); per output,
  * VDPBF16PS over K in steps of 32 into one float32 register, its 16 lanes summed (four outputs'
- * together, sum4), the bias added, one bf16 rounding (round to nearest even). An output's operations never depend on M or on the
- * other rows, so a generated token gets the same bits alone or in a batch. The bits differ from
+ * together, sum4), the bias added, one bf16 rounding (round to nearest even). An output's
+ * operations never depend on M or on the other rows, so a generated token gets the same bits alone
+ * or in a batch. The bits differ from
  * PyTorch's (oneDNN's) bf16 GEMM by the float32 summation order: a prompt never takes this path
  * (its K/V must be the same bits cached or not, which the per-operation path keeps), and a
  * generated token's K/V is not kept as cache blocks in bf16.
@@ -22,11 +23,9 @@
  * meeting between the phases; the row phases are the per-operation kernels' rows (same bits).
  */
 #include <immintrin.h>
-#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "bf16_common.h"
 
