@@ -503,7 +503,7 @@ def linear_rows_available(weight: torch.Tensor) -> bool:
     return (weight.dtype in _LINEAR_K_MULTIPLE and weight.device.type == "cpu" and weight.dim() == 2
             and weight.is_contiguous() and weight.shape[1] % _LINEAR_K_MULTIPLE[weight.dtype] == 0
             and weight.shape[0] % _LINEAR_N_MULTIPLE[weight.dtype] == 0
-            and _kernel(weight.dtype, "paged_attention") is not None)
+            and _kernel(weight.dtype, "linear_rows") is not None)
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -533,8 +533,7 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
            f"linear_rows: bad arguments x={tuple(x.shape)}/{x.dtype} weight={tuple(weight.shape)}/{weight.dtype}")
     x = x.contiguous()
     out = torch.empty((m, weight.shape[0]), dtype=weight.dtype)
-    fn = _library().rc32_linear_rows if weight.dtype == torch.float32 else _library().rc_linear_rows
-    rc = fn(x.data_ptr(), m, k, weight.data_ptr(), None if bias is None else bias.data_ptr(), weight.shape[0],
+    rc = _kernel(weight.dtype, "linear_rows")(x.data_ptr(), m, k, weight.data_ptr(), None if bias is None else bias.data_ptr(), weight.shape[0],
             out.data_ptr(), torch.get_num_threads())
     if rc:
         raise NativeKernelError(f"linear_rows failed with code {rc} (1: arguments)")
@@ -595,9 +594,6 @@ class DecodePlan:
     dtype: torch.dtype = torch.float32
 
 
-_STEP_SIZE_MULTIPLE = {torch.float32: 8, torch.bfloat16: 32}  # hidden and MLP sizes each decode step tiles
-
-
 def decode_plan(layers: list[DecodeLayer]) -> DecodePlan | None:
     """The decode-step plan of ``layers``, or None where :func:`decode_step` cannot run them: no
     native kernels for their dtype here (float32: AVX2 + FMA; bf16: AVX512-BF16), a tensor that is
@@ -606,14 +602,14 @@ def decode_plan(layers: list[DecodeLayer]) -> DecodePlan | None:
     if not layers:
         return None
     dtype = layers[0].qkv.dtype
-    if dtype not in _STEP_SIZE_MULTIPLE or _kernel(dtype, "paged_attention") is None:
+    if dtype not in _LINEAR_K_MULTIPLE or _kernel(dtype, "decode_step") is None:
         return None
     tensors = [t for lay in layers for t in (lay.qkv, lay.qkv_bias, lay.o, lay.o_bias, lay.gate_up, lay.down, lay.down_bias,
                                              lay.post_norm, lay.next_norm) if t is not None]
     if any(t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
         return None
     hidden, intermediate = layers[0].qkv.shape[1], layers[0].down.shape[1]
-    if hidden % _STEP_SIZE_MULTIPLE[dtype] or intermediate % _STEP_SIZE_MULTIPLE[dtype]:
+    if hidden % _LINEAR_K_MULTIPLE[dtype] or intermediate % _LINEAR_K_MULTIPLE[dtype]:  # the step's GEMMs' input sizes
         return None
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     array = (_LayerStruct * len(layers))(*[
@@ -652,7 +648,8 @@ def decode_step(plan: DecodePlan, h: torch.Tensor, x: torch.Tensor, num_heads: i
     m, hidden = h.shape
     d = k_cache.shape[-1]
     dtype = plan.dtype
-    _check(_kernel(dtype, "paged_attention") is not None and 1 <= m <= LINEAR_ROWS_MAX and hidden == plan.hidden
+    step = _kernel(dtype, "decode_step")
+    _check(step is not None and 1 <= m <= LINEAR_ROWS_MAX and hidden == plan.hidden
            and h.is_contiguous() and x.shape == h.shape and x.is_contiguous() and h.dtype == x.dtype == dtype
            and k_cache.is_contiguous() and v_cache.shape == k_cache.shape and v_cache.is_contiguous()
            and k_cache.dtype == dtype and v_cache.dtype == dtype and k_cache.shape[0] == len(plan.layers)
@@ -663,7 +660,6 @@ def decode_step(plan: DecodePlan, h: torch.Tensor, x: torch.Tensor, num_heads: i
            and batch.num_rows == m and len(batch.decode) == m and bool(batch.decode.all()),
            f"decode_step: bad arguments h={tuple(h.shape)}/{h.dtype} kv={tuple(k_cache.shape)}/{k_cache.dtype} "
            f"plan {plan.dtype} rows={batch.num_rows}")
-    step = _library().rc32_decode_step if dtype == torch.float32 else _library().rc_decode_step
     rc = step(
         ctypes.addressof(plan.layers), len(plan.layers), h.data_ptr(), x.data_ptr(), m, hidden, num_heads, num_kv_heads, d,
         plan.intermediate, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
