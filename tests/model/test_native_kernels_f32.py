@@ -548,3 +548,29 @@ def test_a_cpu_without_avx2_takes_the_torch_path_with_one_warning(monkeypatch, c
     assert reason is not None and "neither AVX2+FMA" in reason
     warnings = [r for r in caplog.records if r.name == native.log.name]
     assert len(warnings) == 1 and warnings[0].levelname == "WARNING"
+
+
+def test_a_library_built_from_another_folder_runs_the_kernels_in_a_block_only(tmp_path):
+    # benchmarks/kernel_ab.py compares kernel versions this way: the same sources give the same bits,
+    # a block runs the kernels from its library, the package's comes back after it
+    import shutil
+
+    for p in (*native.SOURCES, *native.HEADERS):
+        shutil.copy(p, tmp_path / p.name)
+    lib = native.build_library(tmp_path)
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 64, generator=g), torch.randn(12, 64, generator=g)
+    want = native.linear_rows(x, w)
+    with native.using_library(lib):
+        assert torch.equal(native.linear_rows(x, w), want)
+
+    class NoKernels:  # a "library" without a single function: any kernel call inside fails
+        def __getattr__(self, name):
+            raise AttributeError(name)
+
+    with pytest.raises(AttributeError), native.using_library(NoKernels()):
+        native.linear_rows(x, w)
+    assert torch.equal(native.linear_rows(x, w), want)  # restored, after an error too
+    (tmp_path / "kernels_f32.c").unlink()
+    with pytest.raises(OSError):
+        native.build_library(tmp_path)

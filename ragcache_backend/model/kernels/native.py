@@ -22,6 +22,7 @@ computed alone (see the C files); the float32 prompt kernel keeps the same row i
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -30,6 +31,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,14 +66,17 @@ def _compiler() -> str | None:
     return None
 
 
-def _build() -> ctypes.CDLL | None:
-    global _why_not
+def _build(folder: Path | None = None) -> tuple[ctypes.CDLL | None, str]:
+    """The library compiled from :data:`SOURCES` (or the files of those names in ``folder``), or
+    None and why not."""
+    sources, headers = ((SOURCES, HEADERS) if folder is None else
+                        (tuple(folder / p.name for p in SOURCES), tuple(folder / p.name for p in HEADERS)))
     cc = _compiler()
     if cc is None:
-        _why_not = "no C compiler found (set CC, or install gcc)"
-        log.warning("native kernels: %s; using the torch path", _why_not)
-        return None
-    src = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
+        why = "no C compiler found (set CC, or install gcc)"
+        log.warning("native kernels: %s; using the torch path", why)
+        return None, why
+    src = b"".join(path.read_bytes() for path in (*sources, *headers))
     tag = hashlib.sha256(src + " ".join((cc, *BUILD_FLAGS)).encode()).hexdigest()[:16]
     out_dir = ragcache_home() / "kernels"
     lib_path = out_dir / f"ragcache_kernels-{tag}.so"
@@ -80,14 +85,14 @@ def _build() -> ctypes.CDLL | None:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
         os.close(fd)
         try:
-            subprocess.run([cc, *BUILD_FLAGS, "-o", tmp, *map(str, SOURCES)], check=True, capture_output=True, text=True, timeout=180)
+            subprocess.run([cc, *BUILD_FLAGS, "-o", tmp, *map(str, sources)], check=True, capture_output=True, text=True, timeout=180)
             os.replace(tmp, lib_path)
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", "") or str(exc)
-            _why_not = f"the build with {cc} failed: {detail.strip()[:300]}"
-            log.warning("native kernels: %s; using the torch path", _why_not)
+            why = f"the build with {cc} failed: {detail.strip()[:300]}"
+            log.warning("native kernels: %s; using the torch path", why)
             Path(tmp).unlink(missing_ok=True)
-            return None
+            return None, why
     lib = ctypes.CDLL(str(lib_path))
     i64, ptr, f32, nt = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     for prefix in ("rc", "rc32"):
@@ -122,10 +127,10 @@ def _build() -> ctypes.CDLL | None:
     if lib.rc32_supported():
         _KERNEL_DTYPES[torch.float32] = "AVX2+FMA"
     if not _KERNEL_DTYPES:
-        _why_not = "this CPU has neither AVX2+FMA (float32 kernels) nor AVX512-BF16 (bf16 kernels)"
-        log.warning("native kernels: %s; using the torch path", _why_not)
-        return None
-    return lib
+        why = "this CPU has neither AVX2+FMA (float32 kernels) nor AVX512-BF16 (bf16 kernels)"
+        log.warning("native kernels: %s; using the torch path", why)
+        return None, why
+    return lib, ""
 
 
 def float32_wide(enable: bool | None = None) -> bool:
@@ -149,11 +154,43 @@ def _library() -> ctypes.CDLL | None:
         with _lock:
             if not _tried:
                 if os.environ.get("RAGCACHE_NATIVE_KERNELS", "1") != "0":
-                    _lib = _build()
+                    _lib, _why_not = _build()
                 else:
                     _why_not = "RAGCACHE_NATIVE_KERNELS=0"
                 _tried = True
     return _lib
+
+
+def build_library(folder: Path) -> ctypes.CDLL:
+    """Compile the kernel library from the C files of :data:`SOURCES`' and :data:`HEADERS`' names in
+    ``folder`` (an edited copy of ``csrc/``, or another revision's), cached like the package's own;
+    with :func:`using_library`, two kernel versions compare in one process
+    (``benchmarks/kernel_ab.py``).
+
+    Raises:
+        NativeKernelError: no C compiler, the build failed, or the CPU runs neither dtype's kernels.
+        OSError: a file is missing from ``folder``.
+    """
+    lib, why = _build(Path(folder))
+    if lib is None:
+        raise NativeKernelError(f"native kernels from {folder}: {why}")
+    return lib
+
+
+@contextlib.contextmanager
+def using_library(lib: ctypes.CDLL) -> Iterator[None]:
+    """Within the block, every kernel of this module runs from ``lib`` (from :func:`build_library`)
+    instead of the package's library; a benchmark's tool, not for concurrent use with other threads
+    running kernels."""
+    global _lib
+    _library()  # the package's library settles first: the block's end restores it
+    with _lock:
+        before, _lib = _lib, lib
+    try:
+        yield
+    finally:
+        with _lock:
+            _lib = before
 
 
 _PREFIX = {torch.bfloat16: "rc", torch.float32: "rc32"}
