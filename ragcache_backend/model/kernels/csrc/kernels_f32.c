@@ -878,7 +878,8 @@ TGT void rc32_silu_mul(const float *gate_up, int64_t N, int64_t I, float *out, i
  * One row (MR 1, batch-1 decode: bound by reading W) reads the four weight rows one after another,
  * each start to end: one sequential stream for the hardware prefetcher (on a 2-core Zen 4 a batch-1
  * decode step 0.58x the time); more rows keep the four side by side (four FMA chains per input row:
- * the rows' FMAs, not memory, bound them). Each output's sum runs over k in the same order: same bits. */
+ * the rows' FMAs, not memory, bound them). Each output's sum runs over k in the same order: same bits.
+ * The one-row path does not prefetch the next rows (the hardware prefetcher follows the one stream). */
 TGT static inline __attribute__((always_inline)) void linear_tile(const float *x, int64_t K, const float *W, const float *b,
                                                                     int64_t N, float *y, int64_t n0, int64_t nr, int64_t m0,
                                                                     const int MR, const int prefetch) {
