@@ -30,28 +30,35 @@
 #include "bf16_common.h"
 
 #define NT 4 /* outputs (rows of W) per register tile (sum4 reduces four) */
+#define SEQ_ROWS 8 /* most input rows for which a tile reads its weight rows one after another */
 
 /* Outputs n0 .. n0 + NT - 1 of rows m0 .. m0 + MR - 1 (MR a constant after inlining). next: the
  * next tile's weight rows, prefetched meanwhile (or NULL): the rows of four rows' tiles after the
  * first come from the cache, so without it the loads of the next tile's rows stall (batch 16: a
  * decode step 0.77x the time with it, 16 tokens of context; batch 1 unchanged).
- * One row (MR 1, batch-1 decode: bound by reading W) reads the tile's weight rows one after another,
- * each start to end, instead of the four side by side: one sequential stream, which the hardware
- * prefetcher follows (on a 2-core Zen 4, 16 -> 24-38 GB/s; a batch-1 decode step 0.70x the time).
- * Each output's sum runs over k in the same order either way: the same bits. That path does not
- * prefetch next (the hardware prefetcher follows the one stream; measured without). */
+ * seq (a call of at most SEQ_ROWS rows, decode at batch 1-8: bound by reading W): the tile reads its
+ * weight rows one after another, each start to end, instead of the four side by side: one
+ * sequential stream, which the hardware prefetcher follows. On a 2-core Zen 4, weights larger than
+ * the caches: one row 16 -> 24-38 GB/s (a batch-1 decode step 0.70x the time); a layer's GEMMs at
+ * 2 rows 0.52-0.77x the time, 4 rows 0.66-0.86x, 8 rows 0.83-0.89x (a batch-4 decode step 0.89x).
+ * More rows keep the four side by side: 16 independent VDPBF16PS chains, not 4 per weight row (16
+ * rows in sequence: 1.2-1.3x slower). Each output's sum runs over k in the same order either way:
+ * the same bits whatever M. The seq path does not prefetch next (the hardware prefetcher follows
+ * the one stream; measured without). */
 TGT_BF16 __attribute__((always_inline)) static inline void tile(const bf16_t *x, int64_t K, const bf16_t *W, const bf16_t *b,
                                                                 int64_t N, bf16_t *y, int64_t n0, int64_t m0, const int MR,
-                                                                const bf16_t *next) {
+                                                                const bf16_t *next, const int seq) {
     __m512 acc[NT][4];
     for (int i = 0; i < NT; i++)
         for (int j = 0; j < MR; j++) acc[i][j] = _mm512_setzero_ps();
     const bf16_t *w0 = W + n0 * K, *x0 = x + m0 * K;
-    if (MR == 1) { /* one row: each weight row streamed start to end, the tile's rows one after another */
+    if (seq) { /* few rows: each weight row streamed start to end, the tile's rows one after another */
         for (int i = 0; i < NT; i++)
-            for (int64_t k = 0; k < K; k += 32)
-                acc[i][0] = _mm512_dpbf16_ps(acc[i][0], (__m512bh)_mm512_loadu_si512(w0 + i * K + k),
-                                             (__m512bh)_mm512_loadu_si512(x0 + k));
+            for (int64_t k = 0; k < K; k += 32) {
+                const __m512bh wv = (__m512bh)_mm512_loadu_si512(w0 + i * K + k);
+                for (int j = 0; j < MR; j++)
+                    acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv, (__m512bh)_mm512_loadu_si512(x0 + j * K + k));
+            }
     } else
     for (int64_t k = 0; k < K; k += 32) {
         __m512bh wv[NT], xv[4];
@@ -73,15 +80,16 @@ TGT_BF16 __attribute__((always_inline)) static inline void tile(const bf16_t *x,
 /* The linear layer inside a parallel region (an omp for over the outputs, static: each thread
  * streams one contiguous range of W). K % 32 == 0, N % NT == 0. */
 TGT_BF16 static void linear_for(const bf16_t *x, int64_t M, int64_t K, const bf16_t *W, const bf16_t *b, int64_t N, bf16_t *y) {
+    const int seq = M <= SEQ_ROWS;
 #pragma omp for schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += NT) {
         int64_t m0 = 0;
         const bf16_t *next = n0 + 2 * NT <= N ? W + (n0 + NT) * K : NULL; /* the next tile's rows, fetched meanwhile */
-        for (; m0 + 4 <= M; m0 += 4) tile(x, K, W, b, N, y, n0, m0, 4, m0 ? NULL : next);
+        for (; m0 + 4 <= M; m0 += 4) tile(x, K, W, b, N, y, n0, m0, 4, m0 ? NULL : next, seq);
         switch (M - m0) {
-        case 3: tile(x, K, W, b, N, y, n0, m0, 3, m0 ? NULL : next); break;
-        case 2: tile(x, K, W, b, N, y, n0, m0, 2, m0 ? NULL : next); break;
-        case 1: tile(x, K, W, b, N, y, n0, m0, 1, m0 ? NULL : next); break;
+        case 3: tile(x, K, W, b, N, y, n0, m0, 3, m0 ? NULL : next, seq); break;
+        case 2: tile(x, K, W, b, N, y, n0, m0, 2, m0 ? NULL : next, seq); break;
+        case 1: tile(x, K, W, b, N, y, n0, m0, 1, m0 ? NULL : next, seq); break;
         default: break;
         }
     }

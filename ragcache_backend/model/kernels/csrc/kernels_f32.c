@@ -875,30 +875,38 @@ TGT void rc32_silu_mul(const float *gate_up, int64_t N, int64_t I, float *out, i
 
 /* y[m0 .. m0+MR) rows of x W^T (+ b) for weight rows [n0, n0 + 4): each weight row is loaded once
  * for all MR input rows; one accumulator per (weight row, input row), summed across lanes at the end.
- * One row (MR 1, batch-1 decode: bound by reading W) reads the four weight rows one after another,
- * each start to end: one sequential stream for the hardware prefetcher (on a 2-core Zen 4 a batch-1
- * decode step 0.58x the time); more rows keep the four side by side (four FMA chains per input row:
- * the rows' FMAs, not memory, bound them). Each output's sum runs over k in the same order: same bits.
- * The one-row path does not prefetch the next rows (the hardware prefetcher follows the one stream). */
+ * seq (a call of at most SEQ_ROWS_F32 rows, decode at batch 1-2: bound by reading W): the four weight
+ * rows are read one after another, each start to end: one sequential stream for the hardware
+ * prefetcher (on a 2-core Zen 4 a batch-1 decode step 0.58x the time, batch 2 0.63x). More rows keep
+ * the four side by side (four FMA chains per input row: there the rows' 256-bit FMAs, not memory,
+ * bound them; in sequence a 4-row layer was no faster, 8-16 rows 1.2-1.35x slower). There prefetch
+ * (on the first input rows' tile only) fetches the next tile's four rows meanwhile: 2 as one block,
+ * start to end (also one stream; calls of up to BLOCK_PREFETCH_ROWS_F32 rows: a batch-4 decode step
+ * 0.85x the time), 1 side by side (more rows, where the block order was 3-6% slower at batch 8).
+ * Each output's sum runs over k in the same order either way: same bits whatever M. The seq path
+ * does not prefetch (the hardware prefetcher follows the one stream). */
 TGT static inline __attribute__((always_inline)) void linear_tile(const float *x, int64_t K, const float *W, const float *b,
                                                                     int64_t N, float *y, int64_t n0, int64_t nr, int64_t m0,
-                                                                    const int MR, const int prefetch) {
+                                                                    const int MR, const int prefetch, const int seq) {
     __m256 acc[4][3];
     const float *w[4];
     for (int r = 0; r < 4; r++) {
         w[r] = W + (n0 + (r < nr ? r : nr - 1)) * K;
         for (int j = 0; j < MR; j++) acc[r][j] = _mm256_setzero_ps();
     }
-    /* the next 4 weight rows stream in while these are computed (memory and compute overlap) */
+    /* the next 4 weight rows (one block of 4 K floats) stream in while these are computed */
     const float *ahead = W + (n0 + 4 < N ? n0 + 4 : n0) * K;
-    if (MR == 1) { /* one row: each weight row streamed start to end, the tile's rows one after another */
+    if (seq) { /* few rows: each weight row streamed start to end, the tile's rows one after another */
         for (int r = 0; r < 4; r++)
-            for (int64_t k = 0; k < K; k += 8)
-                acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(w[r] + k), _mm256_loadu_ps(x + m0 * K + k), acc[r][0]);
+            for (int64_t k = 0; k < K; k += 8) {
+                const __m256 wv = _mm256_loadu_ps(w[r] + k);
+                for (int j = 0; j < MR; j++) acc[r][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (m0 + j) * K + k), acc[r][j]);
+            }
     } else
     for (int64_t k = 0; k < K; k += 8) {
         if (prefetch && (k & 8) == 0)
-            for (int r = 0; r < 4; r++) _mm_prefetch((const char *)(ahead + r * K + k), _MM_HINT_T0);
+            for (int r = 0; r < 4; r++)
+                _mm_prefetch((const char *)(prefetch == 2 ? ahead + (4 * (k / 16) + r) * 16 : ahead + r * K + k), _MM_HINT_T0);
         __m256 xv[3];
         for (int j = 0; j < MR; j++) xv[j] = _mm256_loadu_ps(x + (m0 + j) * K + k);
         for (int r = 0; r < 4; r++) {
@@ -910,16 +918,20 @@ TGT static inline __attribute__((always_inline)) void linear_tile(const float *x
         for (int j = 0; j < MR; j++) y[(m0 + j) * N + n0 + r] = hsum256(acc[r][j]) + (b ? b[n0 + r] : 0.0f);
 }
 
+#define SEQ_ROWS_F32 2 /* most input rows for which a tile reads its weight rows one after another */
+#define BLOCK_PREFETCH_ROWS_F32 4 /* most input rows for which the next tile is prefetched as one block */
+
 /* The work of rc32_linear_rows as an orphaned worksharing loop: inside a parallel region the
  * threads share the output columns (and meet at its end), outside one it runs on the caller. */
 TGT static void linear_rows_for(const float *x, int64_t M, int64_t K, const float *W, const float *b, int64_t N, float *y) {
+    const int seq = M <= SEQ_ROWS_F32, pf = M <= BLOCK_PREFETCH_ROWS_F32 ? 2 : 1;
 #pragma omp for schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += 4) {
         const int64_t nr = N - n0 < 4 ? N - n0 : 4;
         int64_t m0 = 0;
-        for (; m0 + 3 <= M; m0 += 3) linear_tile(x, K, W, b, N, y, n0, nr, m0, 3, m0 == 0);
-        if (M - m0 == 2) linear_tile(x, K, W, b, N, y, n0, nr, m0, 2, m0 == 0);
-        else if (M - m0 == 1) linear_tile(x, K, W, b, N, y, n0, nr, m0, 1, m0 == 0);
+        for (; m0 + 3 <= M; m0 += 3) linear_tile(x, K, W, b, N, y, n0, nr, m0, 3, m0 == 0 ? pf : 0, seq);
+        if (M - m0 == 2) linear_tile(x, K, W, b, N, y, n0, nr, m0, 2, m0 == 0 ? pf : 0, seq);
+        else if (M - m0 == 1) linear_tile(x, K, W, b, N, y, n0, nr, m0, 1, m0 == 0 ? pf : 0, seq);
     }
 }
 
