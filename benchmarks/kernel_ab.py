@@ -6,12 +6,12 @@ package's own kernels ("main"):
 
 1. **bits**: ``native.linear_rows`` of each version against main's, for 1-16 input rows over three
    weight shapes, in the measured dtype: "same bits" or which shape and row count differ;
-2. **decode step**: the engine's decode step at batch 1, 4, 8, 16 (1,024 tokens of context each,
+2. **decode step**: the engine's decode step at batch 1, 2, 4, 8, 16 (1,024 tokens of context each,
    ``--steps`` steps; ``forward_vs_vllm.Ours.decode``), the versions alternating per measurement
    (:func:`native.using_library`), ``--rounds`` timed rounds after a warm-up one; medians and the
    ratio to main;
-3. with ``--linear``, one linear layer alone at 1 and 4 input rows over weights larger than the
-   caches: GB/s of weights read.
+3. with ``--linear``, one linear layer alone at 1, 2, 4, 8 and 16 input rows over weights larger
+   than the caches: GB/s of weights read (``--linear-only``: bits and linear layers, no decode step).
 
     .venv/bin/python benchmarks/kernel_ab.py /tmp/variant --dtype bfloat16
 """
@@ -34,9 +34,10 @@ import forward_vs_vllm as fvv  # noqa: E402
 from ragcache_backend import EngineConfig, RAGCacheEngine  # noqa: E402
 from ragcache_backend.model.kernels import native  # noqa: E402
 
-BATCHES = (1, 4, 8, 16)
+BATCHES = (1, 2, 4, 8, 16)
 SHAPES = ((1536, 576), (576, 1536), (148, 96))  # [N, K]: gate/up and down of SmolLM2-135M, and a small odd one
 LINEAR_SHAPES = ((49152, 576), (1536, 576), (576, 576), (576, 1536))
+LINEAR_ROWS = (1, 2, 4, 8, 16)
 
 
 def running(lib):
@@ -63,7 +64,7 @@ def linear_gbps(libs: dict, dtype: torch.dtype, rounds: int) -> None:
     res: dict = {}
     for n, k in LINEAR_SHAPES:
         ws = [torch.randn(n, k).to(dtype) for _ in range(max(1, int(200e6 // (n * k * dtype.itemsize))))]
-        for m in (1, 4):
+        for m in LINEAR_ROWS:
             x = torch.randn(m, k).to(dtype)
             for _ in range(rounds):
                 for name, lib in libs.items():
@@ -87,6 +88,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16, help="decode steps per measurement")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--linear", action="store_true", help="also one linear layer alone, GB/s")
+    ap.add_argument("--linear-only", action="store_true", help="bits and linear layers only (no decode step)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -94,8 +96,10 @@ def main() -> None:
     for name, lib in libs.items():
         if lib is not None:
             print(f"{name}: {same_bits(lib, dtype)} as main (linear_rows, {args.dtype}, 1-16 rows)", flush=True)
-    if args.linear:
+    if args.linear or args.linear_only:
         linear_gbps(libs, dtype, args.rounds)
+    if args.linear_only:
+        return
     engine = RAGCacheEngine(EngineConfig(model=str(fvv.MODEL_DIR), dtype=args.dtype, threads=args.threads,
                                          device_budget_bytes=2048 * 2**20, host_budget_bytes=0))
     ours, rng = fvv.Ours(engine), random.Random(0)

@@ -550,7 +550,7 @@ def test_a_cpu_without_avx2_takes_the_torch_path_with_one_warning(monkeypatch, c
     assert len(warnings) == 1 and warnings[0].levelname == "WARNING"
 
 
-def test_a_library_built_from_another_folder_runs_the_kernels_in_a_block_only(tmp_path):
+def test_a_library_built_from_another_folder_runs_the_kernels_in_a_block_only(tmp_path, caplog):
     # benchmarks/kernel_ab.py compares kernel versions this way: the same sources give the same bits,
     # a block runs the kernels from its library, the package's comes back after it
     import shutil
@@ -574,3 +574,9 @@ def test_a_library_built_from_another_folder_runs_the_kernels_in_a_block_only(tm
     (tmp_path / "kernels_f32.c").unlink()
     with pytest.raises(OSError):
         native.build_library(tmp_path)
+    (tmp_path / "kernels_f32.c").write_text("this is not C\n")
+    with caplog.at_level("INFO", logger=native.log.name), pytest.raises(native.NativeKernelError, match="build with"):
+        native.build_library(tmp_path)
+    # the error says why; the package's "using the torch path" warning is not logged (it still runs its own)
+    assert not [r for r in caplog.records if r.name == native.log.name]
+    assert native.instruction_set(torch.float32) is not None

@@ -68,14 +68,13 @@ def _compiler() -> str | None:
 
 def _build(folder: Path | None = None) -> tuple[ctypes.CDLL | None, str]:
     """The library compiled from :data:`SOURCES` (or the files of those names in ``folder``), or
-    None and why not."""
+    None and why not (not logged here: :func:`_library` warns for the package's own library,
+    :func:`build_library` raises)."""
     sources, headers = ((SOURCES, HEADERS) if folder is None else
                         (tuple(folder / p.name for p in SOURCES), tuple(folder / p.name for p in HEADERS)))
     cc = _compiler()
     if cc is None:
-        why = "no C compiler found (set CC, or install gcc)"
-        log.warning("native kernels: %s; using the torch path", why)
-        return None, why
+        return None, "no C compiler found (set CC, or install gcc)"
     src = b"".join(path.read_bytes() for path in (*sources, *headers))
     tag = hashlib.sha256(src + " ".join((cc, *BUILD_FLAGS)).encode()).hexdigest()[:16]
     out_dir = ragcache_home() / "kernels"
@@ -89,10 +88,8 @@ def _build(folder: Path | None = None) -> tuple[ctypes.CDLL | None, str]:
             os.replace(tmp, lib_path)
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", "") or str(exc)
-            why = f"the build with {cc} failed: {detail.strip()[:300]}"
-            log.warning("native kernels: %s; using the torch path", why)
             Path(tmp).unlink(missing_ok=True)
-            return None, why
+            return None, f"the build with {cc} failed: {detail.strip()[:300]}"
     lib = ctypes.CDLL(str(lib_path))
     i64, ptr, f32, nt = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     for prefix in ("rc", "rc32"):
@@ -127,9 +124,7 @@ def _build(folder: Path | None = None) -> tuple[ctypes.CDLL | None, str]:
     if lib.rc32_supported():
         _KERNEL_DTYPES[torch.float32] = "AVX2+FMA"
     if not _KERNEL_DTYPES:
-        why = "this CPU has neither AVX2+FMA (float32 kernels) nor AVX512-BF16 (bf16 kernels)"
-        log.warning("native kernels: %s; using the torch path", why)
-        return None, why
+        return None, "this CPU has neither AVX2+FMA (float32 kernels) nor AVX512-BF16 (bf16 kernels)"
     return lib, ""
 
 
@@ -155,6 +150,8 @@ def _library() -> ctypes.CDLL | None:
             if not _tried:
                 if os.environ.get("RAGCACHE_NATIVE_KERNELS", "1") != "0":
                     _lib, _why_not = _build()
+                    if _lib is None:  # one warning (the caller of build_library gets the error instead)
+                        log.warning("native kernels: %s; using the torch path", _why_not)
                 else:
                     _why_not = "RAGCACHE_NATIVE_KERNELS=0"
                 _tried = True
