@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from ragcache_backend.model.kernels import (apply_rope, attention, native, position_mask, prefix_causal_mask, rope_cos_sin,
                                            segment_attention_mass)
+from ragcache_backend.model.kernels import library
 from ragcache_backend.model.kernels.native import NativeKernelError
 
 pytestmark = pytest.mark.skipif(not native.available(torch.float32, "cpu", 64),
@@ -514,18 +515,18 @@ def test_the_torch_path_is_kept_when_the_kernels_are_off(tiny_llama, monkeypatch
 
 
 def _fresh_library_state(monkeypatch):
-    """The module as before its first build (restored after the test)."""
+    """The library module as before its first build (restored after the test)."""
     for name, value in (("_lib", None), ("_tried", False), ("_why_not", ""), ("_KERNEL_DTYPES", {})):
-        monkeypatch.setattr(native, name, value)
+        monkeypatch.setattr(library, name, value)
 
 
 def test_a_missing_compiler_is_one_warning_and_the_torch_path(monkeypatch, caplog):
     _fresh_library_state(monkeypatch)
-    monkeypatch.setattr(native, "_compiler", lambda: None)
-    with caplog.at_level("INFO", logger=native.log.name):
+    monkeypatch.setattr(library, "_compiler", lambda: None)
+    with caplog.at_level("INFO", logger=library.log.name):
         reasons = [native.unavailable_reason(torch.float32, "cpu", 64, 3) for _ in range(3)]
     assert reasons == ["no C compiler found (set CC, or install gcc)"] * 3
-    warnings = [r for r in caplog.records if r.name == native.log.name]
+    warnings = [r for r in caplog.records if r.name == library.log.name]
     assert len(warnings) == 1 and warnings[0].levelname == "WARNING" and "torch path" in warnings[0].message
     assert native.instruction_set(torch.float32) is None
 
@@ -533,7 +534,7 @@ def test_a_missing_compiler_is_one_warning_and_the_torch_path(monkeypatch, caplo
 def test_a_cpu_without_avx2_takes_the_torch_path_with_one_warning(monkeypatch, caplog, tmp_path):
     """The library builds, but its CPU checks say no: the same one warning and the torch path."""
     _fresh_library_state(monkeypatch)
-    real_cdll = native.ctypes.CDLL
+    real_cdll = library.ctypes.CDLL
 
     def cdll_on_an_old_cpu(path):
         lib = real_cdll(path)
@@ -541,12 +542,12 @@ def test_a_cpu_without_avx2_takes_the_torch_path_with_one_warning(monkeypatch, c
         lib.rc32_supported = lambda: 0
         return lib
 
-    monkeypatch.setattr(native.ctypes, "CDLL", cdll_on_an_old_cpu)
-    with caplog.at_level("INFO", logger=native.log.name):
+    monkeypatch.setattr(library.ctypes, "CDLL", cdll_on_an_old_cpu)
+    with caplog.at_level("INFO", logger=library.log.name):
         reason = native.unavailable_reason(torch.float32, "cpu", 64, 3)
         assert native.unavailable_reason(torch.bfloat16, "cpu", 64, 3) == reason
     assert reason is not None and "neither AVX2+FMA" in reason
-    warnings = [r for r in caplog.records if r.name == native.log.name]
+    warnings = [r for r in caplog.records if r.name == library.log.name]
     assert len(warnings) == 1 and warnings[0].levelname == "WARNING"
 
 
@@ -575,8 +576,8 @@ def test_a_library_built_from_another_folder_runs_the_kernels_in_a_block_only(tm
     with pytest.raises(OSError):
         native.build_library(tmp_path)
     (tmp_path / "kernels_f32.c").write_text("this is not C\n")
-    with caplog.at_level("INFO", logger=native.log.name), pytest.raises(native.NativeKernelError, match="build with"):
+    with caplog.at_level("INFO", logger=library.log.name), pytest.raises(native.NativeKernelError, match="build with"):
         native.build_library(tmp_path)
     # the error says why; the package's "using the torch path" warning is not logged (it still runs its own)
-    assert not [r for r in caplog.records if r.name == native.log.name]
+    assert not [r for r in caplog.records if r.name == library.log.name]
     assert native.instruction_set(torch.float32) is not None

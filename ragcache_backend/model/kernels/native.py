@@ -5,9 +5,9 @@
 * **float32** on every x86-64 CPU with AVX2 and FMA, AVX-512 ones included (``csrc/kernels_f32.c``;
   where the CPU has AVX-512F the attention's inner loops use 512-bit registers, same bits).
 
-The C sources are compiled on first use with the system C compiler into ``$RAGCACHE_HOME/kernels/``
-(named by a hash of the sources and flags, written atomically), then loaded into the process after
-torch, so that their OpenMP regions run on torch's own libgomp thread pool. Where a kernel cannot
+The library is built and loaded by :mod:`ragcache_backend.model.kernels.library` (on first use, with
+the system C compiler; its :data:`SOURCES`, :func:`build_library` and :func:`using_library` are
+importable from here too); this module checks arguments and calls its functions. Where a kernel cannot
 be used (no compiler, the CPU lacks the instructions, another dtype, not CPU,
 ``RAGCACHE_NATIVE_KERNELS=0``) :func:`available` is False, :func:`unavailable_reason` says why, and
 callers take the torch reference path (:mod:`ragcache_backend.model.kernels.attention`), which
@@ -22,110 +22,14 @@ computed alone (see the C files); the float32 prompt kernel keeps the same row i
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from ragcache_backend.config import ragcache_home
-
-log = logging.getLogger(__name__)
-
-#: the kernels' C files, compiled together into one library on first use
-SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                for name in ("paged_attention_bf16.c", "fused_bf16.c", "decode_bf16.c", "kernels_f32.c"))
-#: headers the sources include (part of the library's build hash)
-HEADERS = tuple(Path(__file__).with_name("csrc") / name for name in ("simd_exp.h", "bf16_common.h"))
-#: C compiler flags the kernels are built with (benchmarks/prompt_attention.py builds other revisions' kernels alike)
-BUILD_FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-std=gnu11")
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
-_why_not = ""  # why the library is missing (empty when it loaded)
-_KERNEL_DTYPES: dict[torch.dtype, str] = {}  # dtypes this CPU runs natively -> the instruction set used
-
-
-class NativeKernelError(RuntimeError):
-    """The native kernel rejected its arguments or could not allocate its scratch."""
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return name
-    return None
-
-
-def _build(folder: Path | None = None) -> tuple[ctypes.CDLL | None, str]:
-    """The library compiled from :data:`SOURCES` (or the files of those names in ``folder``), or
-    None and why not (not logged here: :func:`_library` warns for the package's own library,
-    :func:`build_library` raises)."""
-    sources, headers = ((SOURCES, HEADERS) if folder is None else
-                        (tuple(folder / p.name for p in SOURCES), tuple(folder / p.name for p in HEADERS)))
-    cc = _compiler()
-    if cc is None:
-        return None, "no C compiler found (set CC, or install gcc)"
-    src = b"".join(path.read_bytes() for path in (*sources, *headers))
-    tag = hashlib.sha256(src + " ".join((cc, *BUILD_FLAGS)).encode()).hexdigest()[:16]
-    out_dir = ragcache_home() / "kernels"
-    lib_path = out_dir / f"ragcache_kernels-{tag}.so"
-    if not lib_path.exists():
-        out_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-        os.close(fd)
-        try:
-            subprocess.run([cc, *BUILD_FLAGS, "-o", tmp, *map(str, sources)], check=True, capture_output=True, text=True, timeout=180)
-            os.replace(tmp, lib_path)
-        except (OSError, subprocess.SubprocessError) as exc:
-            detail = getattr(exc, "stderr", "") or str(exc)
-            Path(tmp).unlink(missing_ok=True)
-            return None, f"the build with {cc} failed: {detail.strip()[:300]}"
-    lib = ctypes.CDLL(str(lib_path))
-    i64, ptr, f32, nt = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-    for prefix in ("rc", "rc32"):
-        getattr(lib, f"{prefix}_supported").restype = ctypes.c_int
-        attn = getattr(lib, f"{prefix}_paged_attention")
-        attn.restype = ctypes.c_int
-        # the float32 kernel also takes explicit row positions (after ``decode``)
-        attn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, *((ptr,) if prefix == "rc32" else ()), i64, i64, i64, i64,
-                         f32, ptr, nt]
-        rope = getattr(lib, f"{prefix}_rope_write")
-        rope.restype = None
-        rope.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, nt]
-        norm = getattr(lib, f"{prefix}_add_rms_norm")
-        norm.restype = None
-        norm.argtypes = [ptr, ptr, ptr, f32, i64, i64, ptr, nt]
-        silu = getattr(lib, f"{prefix}_silu_mul")
-        silu.restype = None
-        silu.argtypes = [ptr, i64, i64, ptr, nt]
-    lib.rc32_linear_rows.restype = None
-    lib.rc32_linear_rows.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, nt]
-    lib.rc_linear_rows.restype = ctypes.c_int
-    lib.rc_linear_rows.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, nt]
-    lib.rc32_segment_mass.restype = ctypes.c_int
-    lib.rc32_segment_mass.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, i64, ptr, i64, f32, ptr, nt]
-    lib.rc32_wide.restype = ctypes.c_int
-    lib.rc32_wide.argtypes = [nt]
-    for step in (lib.rc32_decode_step, lib.rc_decode_step):
-        step.restype = ctypes.c_int
-        step.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, f32, nt]
-    if lib.rc_supported():
-        _KERNEL_DTYPES[torch.bfloat16] = "AVX512-BF16"
-    if lib.rc32_supported():
-        _KERNEL_DTYPES[torch.float32] = "AVX2+FMA"
-    if not _KERNEL_DTYPES:
-        return None, "this CPU has neither AVX2+FMA (float32 kernels) nor AVX512-BF16 (bf16 kernels)"
-    return lib, ""
+from ragcache_backend.model.kernels import library
+from ragcache_backend.model.kernels.library import (BUILD_FLAGS, HEADERS, SOURCES, NativeKernelError,  # noqa: F401 (public here too)
+                                                     build_library, using_library)
 
 
 def float32_wide(enable: bool | None = None) -> bool:
@@ -137,57 +41,10 @@ def float32_wide(enable: bool | None = None) -> bool:
     Raises:
         RuntimeError: the native library is not available (:func:`unavailable_reason` says why).
     """
-    lib = _library()
+    lib = library.load()
     if lib is None:
-        raise RuntimeError(f"native kernels unavailable: {_why_not}")
+        raise RuntimeError(f"native kernels unavailable: {library.why_not()}")
     return bool(lib.rc32_wide(-1 if enable is None else int(enable)))
-
-
-def _library() -> ctypes.CDLL | None:
-    global _lib, _tried, _why_not
-    if not _tried:
-        with _lock:
-            if not _tried:
-                if os.environ.get("RAGCACHE_NATIVE_KERNELS", "1") != "0":
-                    _lib, _why_not = _build()
-                    if _lib is None:  # one warning (the caller of build_library gets the error instead)
-                        log.warning("native kernels: %s; using the torch path", _why_not)
-                else:
-                    _why_not = "RAGCACHE_NATIVE_KERNELS=0"
-                _tried = True
-    return _lib
-
-
-def build_library(folder: Path) -> ctypes.CDLL:
-    """Compile the kernel library from the C files of :data:`SOURCES`' and :data:`HEADERS`' names in
-    ``folder`` (an edited copy of ``csrc/``, or another revision's), cached like the package's own;
-    with :func:`using_library`, two kernel versions compare in one process
-    (``benchmarks/kernel_ab.py``).
-
-    Raises:
-        NativeKernelError: no C compiler, the build failed, or the CPU runs neither dtype's kernels.
-        OSError: a file is missing from ``folder``.
-    """
-    lib, why = _build(Path(folder))
-    if lib is None:
-        raise NativeKernelError(f"native kernels from {folder}: {why}")
-    return lib
-
-
-@contextlib.contextmanager
-def using_library(lib: ctypes.CDLL) -> Iterator[None]:
-    """Within the block, every kernel of this module runs from ``lib`` (from :func:`build_library`)
-    instead of the package's library; a benchmark's tool, not for concurrent use with other threads
-    running kernels."""
-    global _lib
-    _library()  # the package's library settles first: the block's end restores it
-    with _lock:
-        before, _lib = _lib, lib
-    try:
-        yield
-    finally:
-        with _lock:
-            _lib = before
 
 
 _PREFIX = {torch.bfloat16: "rc", torch.float32: "rc32"}
@@ -206,9 +63,9 @@ def unavailable_reason(dtype: torch.dtype, device: torch.device | str, head_dim:
         return f"the native kernels are for the CPU, the model is on {torch.device(device).type}"
     if dtype not in _PREFIX:
         return f"no native kernel for {dtype} (float32 and bfloat16 only)"
-    if _library() is None:
-        return _why_not
-    if dtype not in _KERNEL_DTYPES:
+    if library.load() is None:
+        return library.why_not()
+    if dtype not in library.instruction_sets():
         need = "AVX512-BF16" if dtype == torch.bfloat16 else "AVX2 and FMA"
         return f"this CPU lacks {need} for {dtype} kernels"
     most_group = 8 if dtype == torch.bfloat16 else 16
@@ -220,11 +77,11 @@ def unavailable_reason(dtype: torch.dtype, device: torch.device | str, head_dim:
 
 def instruction_set(dtype: torch.dtype) -> str | None:
     """The instruction set the native kernels use for ``dtype`` on this CPU (e.g. ``"AVX2+FMA"``), or None."""
-    lib = _library()
-    if lib is None or dtype not in _KERNEL_DTYPES:
+    lib, sets = library.load(), library.instruction_sets()
+    if lib is None or dtype not in sets:
         return None
     wide = dtype == torch.float32 and lib.rc32_wide(-1)
-    return f"{_KERNEL_DTYPES[dtype]}, attention loops on AVX-512F" if wide else _KERNEL_DTYPES[dtype]
+    return f"{sets[dtype]}, attention loops on AVX-512F" if wide else sets[dtype]
 
 
 def available(dtype: torch.dtype, device: torch.device | str, head_dim: int, group: int = 1) -> bool:
@@ -310,8 +167,8 @@ def attention_batch(contexts: list[torch.Tensor], num_new: list[int], decode: li
 
 def _kernel(dtype: torch.dtype, name: str):
     """The C function ``name`` for ``dtype``'s kernels, or None when they are not available here."""
-    lib = _library()
-    if lib is None or dtype not in _KERNEL_DTYPES:
+    lib = library.load()
+    if lib is None or dtype not in library.instruction_sets():
         return None
     return getattr(lib, f"{_PREFIX[dtype]}_{name}")
 
@@ -418,7 +275,7 @@ def segment_mass(q: torch.Tensor, k_cache: torch.Tensor, slots: torch.Tensor, po
     slots, positions, offsets = (x.cpu().contiguous() for x in (slots, positions, segment_offsets))
     _check(int(slots.min()) >= 0 and int(slots.max()) < k_cache.shape[0], "segment_mass: slots outside the arena")
     out = torch.empty((t, h, nseg), dtype=torch.float32)
-    rc = _library().rc32_segment_mass(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), slots.data_ptr(),
+    rc = library.load().rc32_segment_mass(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), slots.data_ptr(),
                                       slots.numel(), positions.data_ptr(), t, h, d, offsets.data_ptr(), nseg, scale,
                                       out.data_ptr(), torch.get_num_threads())
     if rc != 0:
