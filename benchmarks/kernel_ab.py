@@ -78,8 +78,6 @@ def linear_gbps(libs: dict, dtype: torch.dtype, rounds: int) -> None:
                 f"{name} {statistics.median(res[(name, n, k, m)]):.1f} GB/s" for name in libs), flush=True)
 
 
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folders", nargs="+", type=Path, help="folders with the kernel C files to compare against main's")
