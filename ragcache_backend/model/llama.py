@@ -185,7 +185,7 @@ class PagedLlama:
         head.weight = torch.nn.Parameter(to_huge_pages(head.weight.detach()), requires_grad=False)
         if tied:  # the embedding is the LM head's matrix: one copy, still shared
             self._embed.weight = head.weight
-        self._lm_head = pack_linear(head.weight, head.bias, per_step=False)  # rows picked out of the step
+        self._lm_head = pack_linear(head.weight, head.bias, per_step=False, picked_rows=True)  # one row per sequence
         self.num_layers = len(layers)
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads

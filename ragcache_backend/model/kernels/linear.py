@@ -110,7 +110,8 @@ ROWS_BY_CLASS = _AMX
 @dataclass(slots=True)
 class Linear:
     """``y = x W^T + b`` for ``x`` ``[N, in]`` -> ``[N, out]`` in the weight's dtype; on the CPU in
-    bf16/fp16 every row's result is the same whatever ``N`` is (the property cache exactness needs).
+    bf16/fp16 every row's result is the same whatever ``N`` is (the property cache exactness needs),
+    except in a layer of picked rows (the LM head, :data:`PICKED_ROWS_MAX`), which makes no K/V.
 
     Attributes:
         weight: ``[out, in]`` (the plain weight, used when ``packed`` is None).
@@ -118,8 +119,9 @@ class Linear:
         packed: the oneDNN-packed weight, or None for ``F.linear``.
         per_step: its input rows are a forward step's rows (a decoder layer's GEMMs); False for
             rows picked out of a step (the LM head's), which on AMX CPUs always run as small calls.
-        rows_kernel: float32 calls of at most :data:`~ragcache_backend.model.kernels.native.LINEAR_ROWS_MAX`
-            rows (decode steps) take the native kernel that reads the weight once for all rows.
+        rows_kernel: calls of at most ``rows_max`` rows take the native kernel that reads the weight
+            once for all rows (:func:`~ragcache_backend.model.kernels.native.linear_rows`).
+        rows_max: most rows of a call that takes the native kernel (see :func:`pack_linear`).
     """
 
     weight: torch.Tensor
@@ -127,9 +129,10 @@ class Linear:
     packed: torch.Tensor | None = None
     per_step: bool = True
     rows_kernel: bool = False
+    rows_max: int = native.LINEAR_ROWS_MAX
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.rows_kernel and x.shape[0] <= native.LINEAR_ROWS_MAX and x.dtype == torch.float32:
+        if self.rows_kernel and x.shape[0] <= self.rows_max and x.dtype == self.weight.dtype:
             return native.linear_rows(x, self.weight, self.bias)  # few rows: bound by reading the weight
         if _AMX and x.dtype in _REDUCED and x.device.type == "cpu":
             return self._by_class(x)
@@ -197,20 +200,45 @@ def _packing_works(dtype: torch.dtype) -> bool:
 _works: dict[torch.dtype, bool] = {}
 
 
-def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, *, per_step: bool = True) -> Linear:
+PICKED_ROWS_MAX = {torch.float32: 2, torch.bfloat16: 3}
+"""Most rows of a call of a layer whose rows are picked out of a step (the LM head: one per
+sequence) that take :func:`~ragcache_backend.model.kernels.native.linear_rows`; more take oneDNN.
+Measured for SmolLM2-135M's head (49,152 x 576) on a 2-core Zen 4 (AVX-512, 2026-11-28, medians of 9):
+the native kernel takes 0.56 / 0.60 / 0.80x oneDNN's time at 1 / 2 / 3 rows in bf16 (a lone row runs
+as two in oneDNN) and 0.70 / 0.69 / 1.10x in float32, and 1.1-1.5x from 4 rows (short K, many
+outputs: oneDNN's packed blocking wins once the rows make it compute-bound). A picked row's logits
+depend on the kernel, so on the number of sequences in its step (1-3 or more), never on what
+was cached: such a layer produces no K/V."""
+
+
+def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, *, per_step: bool = True,
+                picked_rows: bool = False) -> Linear:
     """A :class:`Linear` over ``weight`` ``[out, in]`` (and ``bias``), packed for oneDNN when the
     weight is on the CPU in float32 or bf16 and packing works in this torch; plain otherwise.
-    ``per_step``: see :class:`Linear`.
+
+    Args:
+        per_step: see :class:`Linear`.
+        picked_rows: its rows are picked out of a step, one per sequence (the LM head): calls of up
+            to :data:`PICKED_ROWS_MAX` rows (of the weight's dtype, float32 or bf16) take the native
+            few-row kernel. Otherwise float32 calls of up to
+            :data:`~ragcache_backend.model.kernels.native.LINEAR_ROWS_MAX` rows take it (decode rows)
+            and bf16 calls never (a prompt row's K/V must keep oneDNN's bits, whatever the call's size).
 
     The packed copy adds the weight's size in memory (the plain weight stays for other users).
     """
     weight = weight.detach()
     bias = bias.detach().contiguous() if bias is not None else None
-    rows = weight.dtype == torch.float32 and native.linear_rows_available(weight)  # bf16 prompts keep oneDNN's bits
+    if picked_rows:
+        rows_max = PICKED_ROWS_MAX.get(weight.dtype, 0)
+    else:  # bf16 prompts keep oneDNN's bits
+        rows_max = native.LINEAR_ROWS_MAX if weight.dtype == torch.float32 else 0
+    rows = rows_max > 0 and native.linear_rows_available(weight)
+    plain = Linear(weight, bias, per_step=per_step, rows_kernel=rows, rows_max=rows_max)
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
-        return Linear(weight, bias, per_step=per_step, rows_kernel=rows)
+        return plain
     if weight.dtype not in _works:
         _works[weight.dtype] = _packing_works(weight.dtype)
     if not _works[weight.dtype]:
-        return Linear(weight, bias, per_step=per_step, rows_kernel=rows)
-    return Linear(weight, bias, torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()), per_step=per_step, rows_kernel=rows)
+        return plain
+    return Linear(weight, bias, torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()), per_step=per_step,
+                  rows_kernel=rows, rows_max=rows_max)
