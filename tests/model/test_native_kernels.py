@@ -56,7 +56,9 @@ def test_paged_attention_rows_do_not_depend_on_the_other_rows():
                                                # every group size 1..8 (each has its own inlined loop), key counts
                                                # around the four-key tiles, head sizes up to 256
                                                (5, 2, 2, 64), (6, 4, 2, 192), (7, 4, 1, 64), (9, 10, 2, 256),
-                                               (2, 12, 2, 64), (3, 14, 2, 128), (513, 16, 2, 64)])
+                                               (2, 12, 2, 64), (3, 14, 2, 128), (513, 16, 2, 64),
+                                               # key chunks of DECODE_CHUNK (256): one exactly, one past, many
+                                               (256, 9, 3, 64), (257, 9, 3, 64), (2000, 9, 3, 64)])
 def test_decode_kernel_matches_the_reference(context, hq, hkv, d):
     kc, vc = _arena(2048, hkv, d, seed=context)
     g = torch.Generator().manual_seed(9)
@@ -65,6 +67,32 @@ def test_decode_kernel_matches_the_reference(context, hq, hkv, d):
     out = native.paged_prefill_attention(q, kc, vc, slots, context - 1, d**-0.5, decode=True)
     ref = attention(q.float(), kc[slots].float(), vc[slots].float(), scale=d**-0.5)
     assert (out.float() - ref).abs().max().item() < 1e-2  # float32 probabilities: tighter than the prompt kernel
+
+
+def test_a_generated_token_is_the_same_bits_alone_in_a_batch_and_on_any_thread_count():
+    """A generated token's attention is split in key chunks fixed by position and merged in order: its
+    bits depend on its context only, not on the other sequences, their contexts or the threads."""
+    kc, vc = _arena(8192, 3, 64, seed=12)
+    g = torch.Generator().manual_seed(13)
+    perm = torch.randperm(8192, generator=g)
+    lengths = [1, 256, 300, 1025, 4000]
+    contexts = [perm[sum(lengths[:i]) : sum(lengths[: i + 1])] for i in range(len(lengths))]
+    q = torch.randn(len(lengths), 9, 64, generator=g).bfloat16()
+    batch = native.attention_batch(contexts, [1] * len(lengths), [True] * len(lengths))
+    threads = torch.get_num_threads()
+    try:
+        runs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            runs.append(native.paged_attention(q, kc, vc, batch, 0.125))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(r, runs[0]) for r in runs[1:])
+    for i, ctx in enumerate(contexts):
+        alone = native.paged_prefill_attention(q[i : i + 1], kc, vc, ctx, ctx.numel() - 1, 0.125, decode=True)
+        assert torch.equal(alone, runs[0][i : i + 1]), lengths[i]
+        ref = attention(q[i : i + 1].float(), kc[ctx].float(), vc[ctx].float(), scale=0.125)
+        assert (alone.float() - ref).abs().max().item() < 1e-2, lengths[i]
 
 
 def test_one_call_for_a_mixed_step_equals_one_call_per_sequence():

@@ -41,8 +41,10 @@ HIDDEN void rc_rope_write_row(bf16_t *x, int64_t Hq, int64_t Hkv, int64_t D, con
 HIDDEN void rc_add_rms_norm_row(bf16_t *x, const bf16_t *delta, const bf16_t *weight, float eps, int64_t H, bf16_t *out);
 HIDDEN void rc_silu_mul_row(const bf16_t *g, const bf16_t *u, int64_t I, bf16_t *out);
 
-/* paged_attention_bf16.c: one generated token's g query heads of KV head h over its S context keys
- * (returns 0, or 2 when out of memory) */
-HIDDEN int rc_decode_item(const bf16_t *q, int64_t D, int64_t g, int64_t h, int64_t S, const bf16_t *kc, const bf16_t *vc,
-                          int64_t slot_row, const int64_t *slots, float scale, bf16_t *out);
+/* paged_attention_bf16.c: a generated token's attention in chunks of DECODE_CHUNK keys (every KV
+ * head; part [Hq][D + 2]: unnormalized output, largest score, sum) and their merge into query head hq */
+#define DECODE_CHUNK 256
+HIDDEN void rc_decode_chunk(const bf16_t *q, int64_t D, int64_t g, int64_t Hkv, int64_t S, const bf16_t *kc, const bf16_t *vc,
+                            int64_t slot_row, const int64_t *slots, float scale, float *part);
+HIDDEN void rc_decode_merge(const float *parts, int64_t nc, int64_t Hq, int64_t D, int64_t hq, bf16_t *out);
 #endif

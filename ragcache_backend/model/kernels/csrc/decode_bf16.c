@@ -18,8 +18,9 @@
  * (its K/V must be the same bits cached or not, which the per-operation path keeps), and a
  * generated token's K/V is not kept as cache blocks in bf16.
  *
- * The step: per layer QKV, RoPE + KV write, decode attention (rc_decode_item: the per-operation
- * path's kernel, same bits), O, add + RMSNorm, gate/up, SiLU x up, down, add + RMSNorm, the threads
+ * The step: per layer QKV, RoPE + KV write, decode attention (rc_decode_chunk over chunks of
+ * DECODE_CHUNK keys shared among the threads, then rc_decode_merge: the per-operation path's
+ * kernels, same bits), O, add + RMSNorm, gate/up, SiLU x up, down, add + RMSNorm, the threads
  * meeting between the phases; the row phases are the per-operation kernels' rows (same bits).
  */
 #include <immintrin.h>
@@ -138,10 +139,20 @@ TGT_BF16 int rc_decode_step(const rc_layer_t *layers, int64_t L, bf16_t *h, bf16
     bf16_t *tmp = malloc(sizeof(bf16_t) * (size_t)(M * H));
     bf16_t *gu = malloc(sizeof(bf16_t) * (size_t)(M * 2 * I));
     bf16_t *act = malloc(sizeof(bf16_t) * (size_t)(M * I));
+    /* a generated token's attention in chunks of DECODE_CHUNK keys, each (row, chunk) one work item */
+    int64_t nitems = 0;
+    for (int64_t b = 0; b < M; b++) nitems += (ctx_off[b + 1] - ctx_off[b] + DECODE_CHUNK - 1) / DECODE_CHUNK;
+    int64_t *item_row = malloc(sizeof(int64_t) * (size_t)nitems), *chunks_of = malloc(sizeof(int64_t) * (size_t)(M + 1));
+    float *parts = malloc(sizeof(float) * (size_t)(nitems * Hq * (D + 2)));
     int failed = 0;
-    if (!qkv || !att || !tmp || !gu || !act) {
+    if (!qkv || !att || !tmp || !gu || !act || !item_row || !chunks_of || !parts) {
         failed = 2;
         goto done;
+    }
+    chunks_of[0] = 0;
+    for (int64_t b = 0; b < M; b++) {
+        chunks_of[b + 1] = chunks_of[b] + (ctx_off[b + 1] - ctx_off[b] + DECODE_CHUNK - 1) / DECODE_CHUNK;
+        for (int64_t c = chunks_of[b]; c < chunks_of[b + 1]; c++) item_row[c] = b;
     }
 #pragma omp parallel num_threads(nthreads)
     for (int64_t l = 0; l < L; l++) {
@@ -153,13 +164,15 @@ TGT_BF16 int rc_decode_step(const rc_layer_t *layers, int64_t L, bf16_t *h, bf16
             rc_rope_write_row(qkv + n * row, Hq, Hkv, D, cos + n * D, sin + n * D, kc + write[n] * slot_row,
                               vc + write[n] * slot_row);
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < M * Hkv; it++) {
-            const int64_t b = it / Hkv, hh = it % Hkv;
-            if (rc_decode_item(qkv + b * row, D, g, hh, ctx_off[b + 1] - ctx_off[b], kc, vc, slot_row, slots + ctx_off[b],
-                               scale, att + b * Hq * D)) {
-#pragma omp atomic write
-                failed = 2;
-            }
+        for (int64_t it = 0; it < nitems; it++) {
+            const int64_t b = item_row[it], c0 = (it - chunks_of[b]) * DECODE_CHUNK, S = ctx_off[b + 1] - ctx_off[b];
+            rc_decode_chunk(qkv + b * row, D, g, Hkv, S - c0 < DECODE_CHUNK ? S - c0 : DECODE_CHUNK, kc, vc, slot_row,
+                            slots + ctx_off[b] + c0, scale, parts + it * Hq * (D + 2));
+        }
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < M * Hq; u++) {
+            const int64_t b = u / Hq, hq = u % Hq;
+            rc_decode_merge(parts + chunks_of[b] * Hq * (D + 2), chunks_of[b + 1] - chunks_of[b], Hq, D, hq, att + (b * Hq + hq) * D);
         }
         linear_for(att, M, Hq * D, w->o_w, w->o_b, H, tmp);
 #pragma omp for schedule(static)
@@ -172,6 +185,6 @@ TGT_BF16 int rc_decode_step(const rc_layer_t *layers, int64_t L, bf16_t *h, bf16
         for (int64_t n = 0; n < M; n++) rc_add_rms_norm_row(h + n * H, tmp + n * H, w->next_norm, w->next_eps, H, x + n * H);
     }
 done:
-    free(qkv); free(att); free(tmp); free(gu); free(act);
+    free(qkv); free(att); free(tmp); free(gu); free(act); free(item_row); free(chunks_of); free(parts);
     return failed;
 }

@@ -16,11 +16,15 @@
  * prompt's attention output is the same whether its prefix came from the cache (small T, large P)
  * or was computed in the same call (P = 0): the reason this kernel exists (bf16 cache exactness).
  *
- * Generated tokens (rc_decode_item) read the arena without packing and keep float32 probabilities;
- * they never serve a prompt token, so the prompt exactness above is unaffected.
+ * Generated tokens (rc_decode_chunk, rc_decode_merge) read the arena without packing and keep float32
+ * probabilities, in chunks of DECODE_CHUNK keys fixed by position, each chunk every KV head, merged
+ * afterwards (as FlashDecoding's split-KV): a batch-1 step has as many work items as chunks, not
+ * KV heads (3 for SmolLM2, on 2 threads). They never serve a prompt token, so the prompt exactness
+ * above is unaffected.
  *
- * Threads: OpenMP over (sequence, KV head, query block); linked against the libgomp that torch has already
- * loaded, so it shares torch's thread pool.
+ * Threads: OpenMP over (sequence, KV head, query block) and (generated token, key chunk), then the
+ * chunks' merges; linked against the libgomp that torch has already loaded, so it shares torch's
+ * thread pool.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -29,12 +33,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "bf16_common.h" /* bf16_t, rc_decode_item's declaration */
+#include "bf16_common.h" /* bf16_t, DECODE_CHUNK, rc_decode_chunk's and rc_decode_merge's declarations */
 #include "simd_exp.h"    /* exp512 */
 
 #define KB 64      /* keys per block */
 #define QT 4       /* query vectors per register tile */
 #define QPOS 16    /* query positions per work item */
+#define DECODE_PF 16 /* keys ahead whose whole arena rows a generated token's first head prefetches */
 
 int rc_supported(void) {
     __builtin_cpu_init();
@@ -173,7 +178,9 @@ static void pack_keys(const bf16_t *kc, const bf16_t *vc, int64_t slot_row, cons
 
 /* scale * q . k of query heads h g + i0 .. h g + i0 + NI - 1 (NI a constant after inlining) for the S
  * context keys of KV head h, into scores [g][S]: four keys at a time, each key's D values read once
- * for the NI heads, the four keys' sums reduced together (sum4); the last S % 4 keys one by one. */
+ * for the NI heads, the four keys' sums reduced together (sum4); the last S % 4 keys one by one.
+ * KV head 0's pass prefetches whole arena rows (every head's keys) DECODE_PF keys ahead: the other
+ * heads' passes over the chunk then read the cache (with a head's part alone fetched, ~10% slower). */
 TGT_BF16 __attribute__((always_inline)) static inline void decode_scores(const bf16_t *q, int64_t D, int64_t g, int64_t h,
                                                                          int64_t i0, int64_t S, const bf16_t *kc,
                                                                          int64_t slot_row, const int64_t *slots, float scale,
@@ -187,6 +194,11 @@ TGT_BF16 __attribute__((always_inline)) static inline void decode_scores(const b
     for (; j + 4 <= S; j += 4) {
         const bf16_t *kr[4];
         for (int t = 0; t < 4; t++) kr[t] = kc + slots[j + t] * slot_row + h * D;
+        if (h == 0 && i0 == 0 && j + DECODE_PF + 4 <= S) /* the first head's pass fetches whole rows (every head) ahead */
+            for (int t = 0; t < 4; t++) {
+                const char *row = (const char *)(kc + slots[j + DECODE_PF + t] * slot_row);
+                for (int64_t off = 0; off < slot_row * 2; off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
+            }
         __m512 acc[4][4];
         for (int i = 0; i < NI; i++)
             for (int t = 0; t < 4; t++) acc[i][t] = _mm512_setzero_ps();
@@ -209,18 +221,23 @@ TGT_BF16 __attribute__((always_inline)) static inline void decode_scores(const b
     }
 }
 
-/* out[h g + i] = sum_j p[i][j] v[j] for the G (a constant after inlining) query heads of KV head h:
- * probabilities p [G][S] in float32, each value row read once for the G heads, 64 dims at a time,
- * float32 FMAs, one bf16 rounding. */
-TGT_BF16 __attribute__((always_inline)) static inline void decode_pv(const float *scores, int64_t D, int64_t g, int64_t h,
-                                                                     int64_t S, const bf16_t *vc, int64_t slot_row,
-                                                                     const int64_t *slots, bf16_t *out, const int G) {
+/* po[i] = sum_j p[i][j] v[j] (i < G, a constant after inlining) for the G query heads of KV head h
+ * over S keys: weights p [G][S] in float32, each value row read once for the G heads, 64 dims at
+ * a time, float32 FMAs; po [G][D + 2] float32 (the first D of each row). KV head 0's pass prefetches
+ * whole value rows ahead, as decode_scores does keys. */
+TGT_BF16 __attribute__((always_inline)) static inline void decode_pv(const float *scores, int64_t D, int64_t h, int64_t S,
+                                                                     const bf16_t *vc, int64_t slot_row, const int64_t *slots,
+                                                                     float *po, const int G) {
     for (int64_t dg = 0; dg < D; dg += 64) {
         __m512 o[8][4];
         for (int i = 0; i < G; i++)
             for (int c = 0; c < 4; c++) o[i][c] = _mm512_setzero_ps();
         for (int64_t j = 0; j < S; j++) {
             const bf16_t *vr = vc + slots[j] * slot_row + h * D + dg;
+            if (h == 0 && dg == 0 && j + DECODE_PF < S) {
+                const char *row = (const char *)(vc + slots[j + DECODE_PF] * slot_row);
+                for (int64_t off = 0; off < slot_row * 2; off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
+            }
             __m512 vv[4];
             for (int c = 0; c < 4; c++) vv[c] = load_bf16(vr + 16 * c);
             for (int i = 0; i < G; i++) {
@@ -229,64 +246,88 @@ TGT_BF16 __attribute__((always_inline)) static inline void decode_pv(const float
             }
         }
         for (int i = 0; i < G; i++)
-            for (int c = 0; c < 4; c += 2)
-                _mm512_storeu_si512(out + (h * g + i) * D + dg + 16 * c, (__m512i)_mm512_cvtne2ps_pbh(o[i][c + 1], o[i][c]));
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(po + i * (D + 2) + dg + 16 * c, o[i][c]);
     }
 }
 
-/* One generated token's g query heads (t = P, the last context position) of KV head h over
- * context keys 0 .. P read straight from the arena, without packing: scores in float32 from
- * VDPBF16PS dot products, one softmax pass, PV with float32 FMAs. Used for generated tokens only
- * (a prompt token always takes attend_item, whatever its count), so prompt rows stay exact. */
-TGT_BF16 HIDDEN int rc_decode_item(const bf16_t *q, int64_t D, int64_t g, int64_t h, int64_t S, const bf16_t *kc,
-                       const bf16_t *vc, int64_t slot_row, const int64_t *slots, float scale, bf16_t *out) {
-    float *scores = malloc(sizeof(float) * (size_t)(g * S));
-    if (!scores) return 2;
-    for (int64_t i0 = 0; i0 < g; i0 += 4) { /* heads i0 .. i0 + 3: each key read once for them */
-        switch (g - i0 < 4 ? g - i0 : 4) {
-        case 1: decode_scores(q, D, g, h, i0, S, kc, slot_row, slots, scale, scores, 1); break;
-        case 2: decode_scores(q, D, g, h, i0, S, kc, slot_row, slots, scale, scores, 2); break;
-        case 3: decode_scores(q, D, g, h, i0, S, kc, slot_row, slots, scale, scores, 3); break;
-        default: decode_scores(q, D, g, h, i0, S, kc, slot_row, slots, scale, scores, 4); break;
+/* One generated token's keys c0 .. c0 + S - 1 (one chunk of at most DECODE_CHUNK keys of its
+ * context, in position order), every KV head: per query head hq, into part [Hq][D + 2], the chunk's
+ * unnormalized output sum_j e_j v_j (D floats), its largest score m and sum_j e_j, with e_j =
+ * exp(s_j - m) and s_j = scale * q . k_j (VDPBF16PS dot products, float32). A chunk covers every
+ * KV head, so a thread reads each key's and value's row of the arena whole ([Hkv, D], one
+ * sequential run per chunk) instead of one head's part of it (the other heads' bytes in between:
+ * 3-4x slower from memory on a 2-core Zen 4). rc_decode_merge combines the chunks. */
+TGT_BF16 HIDDEN void rc_decode_chunk(const bf16_t *q, int64_t D, int64_t g, int64_t Hkv, int64_t S, const bf16_t *kc,
+                                     const bf16_t *vc, int64_t slot_row, const int64_t *slots, float scale, float *part) {
+    float scores[8 * DECODE_CHUNK];
+    for (int64_t h = 0; h < Hkv; h++) {
+        for (int64_t i0 = 0; i0 < g; i0 += 4) { /* heads i0 .. i0 + 3: each key read once for them */
+            switch (g - i0 < 4 ? g - i0 : 4) {
+            case 1: decode_scores(q, D, g, h, i0, S, kc, slot_row, slots, scale, scores, 1); break;
+            case 2: decode_scores(q, D, g, h, i0, S, kc, slot_row, slots, scale, scores, 2); break;
+            case 3: decode_scores(q, D, g, h, i0, S, kc, slot_row, slots, scale, scores, 3); break;
+            default: decode_scores(q, D, g, h, i0, S, kc, slot_row, slots, scale, scores, 4); break;
+            }
+        }
+        float *ph = part + h * g * (D + 2);
+        for (int64_t i = 0; i < g; i++) {
+            float *si = scores + i * S;
+            __m512 mx = _mm512_set1_ps(-INFINITY);
+            int64_t j = 0;
+            for (; j + 16 <= S; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(si + j));
+            if (j < S) {
+                const __mmask16 tail = (__mmask16)((1u << (S - j)) - 1u);
+                mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, si + j));
+            }
+            const float m = _mm512_reduce_max_ps(mx);
+            __m512 mv = _mm512_set1_ps(m), sum = _mm512_setzero_ps();
+            for (j = 0; j + 16 <= S; j += 16) {
+                __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(si + j), mv));
+                _mm512_storeu_ps(si + j, e);
+                sum = _mm512_add_ps(sum, e);
+            }
+            if (j < S) {
+                __mmask16 mk = (__mmask16)((1u << (S - j)) - 1u);
+                __m512 e = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, si + j), mv)));
+                _mm512_mask_storeu_ps(si + j, mk, e);
+                sum = _mm512_add_ps(sum, e);
+            }
+            ph[i * (D + 2) + D] = m;
+            ph[i * (D + 2) + D + 1] = _mm512_reduce_add_ps(sum);
+        }
+        switch (g) { /* the heads' count a constant: their accumulators stay in registers */
+        case 1: decode_pv(scores, D, h, S, vc, slot_row, slots, ph, 1); break;
+        case 2: decode_pv(scores, D, h, S, vc, slot_row, slots, ph, 2); break;
+        case 3: decode_pv(scores, D, h, S, vc, slot_row, slots, ph, 3); break;
+        case 4: decode_pv(scores, D, h, S, vc, slot_row, slots, ph, 4); break;
+        case 5: decode_pv(scores, D, h, S, vc, slot_row, slots, ph, 5); break;
+        case 6: decode_pv(scores, D, h, S, vc, slot_row, slots, ph, 6); break;
+        case 7: decode_pv(scores, D, h, S, vc, slot_row, slots, ph, 7); break;
+        default: decode_pv(scores, D, h, S, vc, slot_row, slots, ph, 8); break;
         }
     }
-    for (int64_t i = 0; i < g; i++) {
-        float *si = scores + i * S;
-        __m512 mx = _mm512_set1_ps(-INFINITY);
-        int64_t j = 0;
-        for (; j + 16 <= S; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(si + j));
-        if (j < S) {
-            const __mmask16 tail = (__mmask16)((1u << (S - j)) - 1u);
-            mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, si + j));
-        }
-        const float m = _mm512_reduce_max_ps(mx);
-        __m512 mv = _mm512_set1_ps(m), sum = _mm512_setzero_ps();
-        for (j = 0; j + 16 <= S; j += 16) {
-            __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(si + j), mv));
-            _mm512_storeu_ps(si + j, e);
-            sum = _mm512_add_ps(sum, e);
-        }
-        if (j < S) {
-            __mmask16 mk = (__mmask16)((1u << (S - j)) - 1u);
-            __m512 e = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, si + j), mv)));
-            _mm512_mask_storeu_ps(si + j, mk, e);
-            sum = _mm512_add_ps(sum, e);
-        }
-        const float inv = 1.0f / _mm512_reduce_add_ps(sum);
-        for (j = 0; j < S; j++) si[j] *= inv;
+}
+
+/* Query head hq of one generated token from its nc chunks' parts (rc_decode_chunk, [nc][Hq][D + 2]):
+ * out [D] = sum_c w_c o_c / sum_c w_c l_c with w_c = exp(m_c - max_c m_c), chunks in order, float32,
+ * one bf16 rounding. The chunks are fixed by position (DECODE_CHUNK keys from key 0), so a token's
+ * bits depend on its context only: never on the other rows of the step or the thread count. */
+TGT_BF16 HIDDEN void rc_decode_merge(const float *parts, int64_t nc, int64_t Hq, int64_t D, int64_t hq, bf16_t *out) {
+    float mx = -INFINITY;
+    for (int64_t c = 0; c < nc; c++) mx = fmaxf(mx, parts[(c * Hq + hq) * (D + 2) + D]);
+    float l = 0.0f;
+    __m512 o[16];
+    for (int64_t d = 0; d < D; d += 16) o[d / 16] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < nc; c++) {
+        const float *pc = parts + (c * Hq + hq) * (D + 2);
+        const float w = _mm512_cvtss_f32(exp512(_mm512_set1_ps(pc[D] - mx)));
+        l += w * pc[D + 1];
+        const __m512 wv = _mm512_set1_ps(w);
+        for (int64_t d = 0; d < D; d += 16) o[d / 16] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(pc + d), o[d / 16]);
     }
-    switch (g) { /* the heads' count a constant: their accumulators stay in registers */
-    case 1: decode_pv(scores, D, g, h, S, vc, slot_row, slots, out, 1); break;
-    case 2: decode_pv(scores, D, g, h, S, vc, slot_row, slots, out, 2); break;
-    case 3: decode_pv(scores, D, g, h, S, vc, slot_row, slots, out, 3); break;
-    case 4: decode_pv(scores, D, g, h, S, vc, slot_row, slots, out, 4); break;
-    case 5: decode_pv(scores, D, g, h, S, vc, slot_row, slots, out, 5); break;
-    case 6: decode_pv(scores, D, g, h, S, vc, slot_row, slots, out, 6); break;
-    case 7: decode_pv(scores, D, g, h, S, vc, slot_row, slots, out, 7); break;
-    default: decode_pv(scores, D, g, h, S, vc, slot_row, slots, out, 8); break;
-    }
-    free(scores);
-    return 0;
+    const __m512 inv = _mm512_set1_ps(1.0f / l);
+    for (int64_t d = 0; d < D; d += 32)
+        _mm512_storeu_si512(out + d, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(o[d / 16 + 1], inv), _mm512_mul_ps(o[d / 16], inv)));
 }
 
 typedef struct {
@@ -307,12 +348,15 @@ int rc_paged_attention(const bf16_t *q, int64_t q_row, const bf16_t *kc, const b
                        int64_t Hkv, int64_t D, float scale, bf16_t *out, int nthreads) {
     if (B < 1 || Hkv < 1 || Hq % Hkv != 0 || D % 64 != 0 || D > 256 || nthreads < 1 || Hq / Hkv > 8) return 1;
     const int64_t g = Hq / Hkv;
-    int64_t pack_words = 0, nitems = 0, npack = 0;
+    int64_t pack_words = 0, nitems = 0, npack = 0, part_floats = 0, nmerge = 0;
     for (int64_t b = 0; b < B; b++) {
         int64_t T = q_off[b + 1] - q_off[b], S = ctx_off[b + 1] - ctx_off[b];
         if (T < 1 || S < T || (decode[b] && T != 1)) return 1;
         if (decode[b]) {
-            nitems += Hkv;
+            const int64_t nc = (S + DECODE_CHUNK - 1) / DECODE_CHUNK;
+            nitems += nc;
+            part_floats += nc * Hq * (D + 2);
+            nmerge += Hq;
         } else {
             int64_t S_pad = (S + KB - 1) / KB * KB;
             pack_words += 2 * Hkv * S_pad * D / 2;
@@ -324,16 +368,21 @@ int rc_paged_attention(const bf16_t *q, int64_t q_row, const bf16_t *kc, const b
     int64_t *pack_at = malloc(sizeof(int64_t) * (size_t)B);
     work_t *items = malloc(sizeof(work_t) * (size_t)nitems);
     work_t *packs = malloc(sizeof(work_t) * (size_t)(npack ? npack : 1));
-    if ((pack_words && !pack) || !pack_at || !items || !packs) {
-        free(pack); free(pack_at); free(items); free(packs);
+    float *parts = part_floats ? malloc(sizeof(float) * (size_t)part_floats) : NULL;
+    work_t *merges = malloc(sizeof(work_t) * (size_t)(nmerge ? nmerge : 1));
+    if ((pack_words && !pack) || !pack_at || !items || !packs || (part_floats && !parts) || !merges) {
+        free(pack); free(pack_at); free(items); free(packs); free(parts); free(merges);
         return 2;
     }
-    int64_t at = 0, ni = 0, np = 0;
+    int64_t at = 0, ni = 0, np = 0, pa = 0, nm = 0;
     for (int64_t b = 0; b < B; b++) {
         int64_t T = q_off[b + 1] - q_off[b], S = ctx_off[b + 1] - ctx_off[b];
         pack_at[b] = at;
-        if (decode[b]) {
-            for (int64_t h = 0; h < Hkv; h++) items[ni++] = (work_t){b, h, 0, -1};
+        if (decode[b]) { /* chunks of DECODE_CHUNK keys (t0: the first key; h: where its parts start), then the merges */
+            const int64_t nc = (S + DECODE_CHUNK - 1) / DECODE_CHUNK;
+            for (int64_t c = 0; c < nc; c++) items[ni++] = (work_t){b, pa + c * Hq * (D + 2), c * DECODE_CHUNK, -1};
+            for (int64_t hq = 0; hq < Hq; hq++) merges[nm++] = (work_t){b, hq, pa, nc};
+            pa += nc * Hq * (D + 2);
             continue;
         }
         int64_t S_pad = (S + KB - 1) / KB * KB, nqb = (T + QPOS - 1) / QPOS;
@@ -361,10 +410,8 @@ int rc_paged_attention(const bf16_t *q, int64_t q_row, const bf16_t *kc, const b
             const bf16_t *qs = q + q_off[it.seq] * q_row;
             bf16_t *os = out + q_off[it.seq] * Hq * D;
             if (it.t1 < 0) {
-                if (rc_decode_item(qs, D, g, it.h, S, kc, vc, Hkv * D, slots + ctx_off[it.seq], scale, os)) {
-#pragma omp atomic write
-                    failed = 2;
-                }
+                const int64_t n = S - it.t0 < DECODE_CHUNK ? S - it.t0 : DECODE_CHUNK;
+                rc_decode_chunk(qs, D, g, Hkv, n, kc, vc, Hkv * D, slots + ctx_off[it.seq] + it.t0, scale, parts + it.h);
             } else {
                 int64_t S_pad = (S + KB - 1) / KB * KB;
                 const uint32_t *kp = pack + pack_at[it.seq] + it.h * S_pad * D / 2;
@@ -372,7 +419,12 @@ int rc_paged_attention(const bf16_t *q, int64_t q_row, const bf16_t *kc, const b
                 attend_item(qs, q_row, D, g, it.h, it.t0, it.t1, S - T, kp, vp, scale, os, Hq * D);
             }
         }
+#pragma omp for schedule(static)
+        for (int64_t w = 0; w < nm; w++) {
+            work_t it = merges[w];
+            rc_decode_merge(parts + it.t0, it.t1, Hq, D, it.h, out + (q_off[it.seq] * Hq + it.h) * D);
+        }
     }
-    free(pack); free(pack_at); free(items); free(packs);
+    free(pack); free(pack_at); free(items); free(packs); free(parts); free(merges);
     return failed;
 }
