@@ -254,9 +254,10 @@ TGT_BF16 __attribute__((always_inline)) static inline void decode_pv(const float
  * context, in position order), every KV head: per query head hq, into part [Hq][D + 2], the chunk's
  * unnormalized output sum_j e_j v_j (D floats), its largest score m and sum_j e_j, with e_j =
  * exp(s_j - m) and s_j = scale * q . k_j (VDPBF16PS dot products, float32). A chunk covers every
- * KV head, so a thread reads each key's and value's row of the arena whole ([Hkv, D], one
- * sequential run per chunk) instead of one head's part of it (the other heads' bytes in between:
- * 3-4x slower from memory on a 2-core Zen 4). rc_decode_merge combines the chunks. */
+ * KV head, one after the other; KV head 0's pass prefetches the chunk's whole arena rows, which the
+ * other heads' passes then find in the cache (against one work item per KV head over the whole
+ * context: attention 0.76-0.92x the time, on a 2-core Zen 4, docs/benchmarks.md).
+ * rc_decode_merge combines the chunks. */
 TGT_BF16 HIDDEN void rc_decode_chunk(const bf16_t *q, int64_t D, int64_t g, int64_t Hkv, int64_t S, const bf16_t *kc,
                                      const bf16_t *vc, int64_t slot_row, const int64_t *slots, float scale, float *part) {
     float scores[8 * DECODE_CHUNK];
@@ -331,7 +332,9 @@ TGT_BF16 HIDDEN void rc_decode_merge(const float *parts, int64_t nc, int64_t Hq,
 }
 
 typedef struct {
-    int64_t seq, h, t0, t1; /* t1 < 0: a decode item */
+    int64_t seq, h, t0, t1; /* a prompt item: KV head h, query positions [t0, t1) (a pack: key block t0);
+                             * t1 < 0: a generated token's key chunk from key t0, its parts at offset h;
+                             * a merge: query head h, its token's parts from offset t0, t1 chunks */
 } work_t;
 
 /* Attention of a whole forward step, one call per layer, several sequences.
@@ -392,7 +395,6 @@ int rc_paged_attention(const bf16_t *q, int64_t q_row, const bf16_t *kc, const b
         for (int64_t qb = nqb - 1; qb >= 0; qb--) /* the latest query blocks (most keys) first */
             for (int64_t h = 0; h < Hkv; h++) items[ni++] = (work_t){b, h, qb * QPOS, (qb + 1) * QPOS < T ? (qb + 1) * QPOS : T};
     }
-    int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
 #pragma omp for schedule(static)
@@ -426,5 +428,5 @@ int rc_paged_attention(const bf16_t *q, int64_t q_row, const bf16_t *kc, const b
         }
     }
     free(pack); free(pack_at); free(items); free(packs); free(parts); free(merges);
-    return failed;
+    return 0;
 }
