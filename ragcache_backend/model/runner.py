@@ -245,8 +245,9 @@ class ModelRunner:
         st.plan_native()
         ids = torch.tensor([t for item in batch for t in item.new_tokens], dtype=torch.int64, device=self.device)
         h = self.layers.embed(ids)  # [N, hidden]
-        # on AMX CPUs the GEMMs treat prompt and decode rows apart; elsewhere rows never depend on M
-        with step_rows(st.classify_rows()) if ROWS_BY_CLASS else contextlib.nullcontext():
+        # generated tokens' rows take the whole-step decode's GEMM in any step (their bits then do
+        # not depend on what else the step holds); on AMX CPUs the GEMMs treat prompt rows apart too
+        with step_rows(st.classify_rows()) if ROWS_BY_CLASS or any(st.decode) else contextlib.nullcontext():
             normed = self.layers.run(h, st, self.arena, last_rows=not all_logits)  # [B or N, hidden]
         offsets = st.offsets
         logits = self.layers.logits(normed)

@@ -9,7 +9,7 @@ dt = sys.argv[1]
 eng = RAGCacheEngine(EngineConfig(model=str(MODEL_DIR), dtype=dt, threads=2, device_budget_bytes=2048 * MiB, host_budget_bytes=0))
 head = eng.runner.layers._lm_head
 new = (head.rows_kernel, head.rows_max)
-old = (dt == "float32", native.LINEAR_ROWS_MAX)
+old = (dt == "float32", native.LINEAR_ROWS_MAX)  # before 8984152: bf16 oneDNN only
 print("new", new, "old", old)
 o = Ours(eng); rng = random.Random(0)
 res = {}

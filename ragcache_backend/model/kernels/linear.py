@@ -110,8 +110,7 @@ ROWS_BY_CLASS = _AMX
 @dataclass(slots=True)
 class Linear:
     """``y = x W^T + b`` for ``x`` ``[N, in]`` -> ``[N, out]`` in the weight's dtype; on the CPU in
-    bf16/fp16 every row's result is the same whatever ``N`` is (the property cache exactness needs),
-    except in a layer of picked rows (the LM head, :data:`PICKED_ROWS_MAX`), which makes no K/V.
+    bf16/fp16 every row's result is the same whatever ``N`` is (the property cache exactness needs).
 
     Attributes:
         weight: ``[out, in]`` (the plain weight, used when ``packed`` is None).
@@ -120,8 +119,15 @@ class Linear:
         per_step: its input rows are a forward step's rows (a decoder layer's GEMMs); False for
             rows picked out of a step (the LM head's), which on AMX CPUs always run as small calls.
         rows_kernel: calls of at most ``rows_max`` rows take the native kernel that reads the weight
-            once for all rows (:func:`~ragcache_backend.model.kernels.native.linear_rows`).
-        rows_max: most rows of a call that takes the native kernel (see :func:`pack_linear`).
+            once for all rows (:func:`~ragcache_backend.model.kernels.native.linear_rows`, in calls of
+            at most :data:`~ragcache_backend.model.kernels.native.LINEAR_ROWS_MAX` rows).
+        rows_max: most rows of a call that takes the native kernel; None: any number (see :func:`pack_linear`).
+        decode_rows: a layer GEMM whose generated tokens' rows (told apart by :func:`step_rows`)
+            take the native kernel whatever else the step holds, in calls of at most
+            :data:`~ragcache_backend.model.kernels.native.LINEAR_ROWS_MAX` rows: the GEMM of a
+            whole-step decode (:func:`~ragcache_backend.model.kernels.native.decode_step`), so a
+            generated token gets the same bits in a step mixed with prompt chunks as in a
+            decode-only one.
     """
 
     weight: torch.Tensor
@@ -129,11 +135,49 @@ class Linear:
     packed: torch.Tensor | None = None
     per_step: bool = True
     rows_kernel: bool = False
-    rows_max: int = native.LINEAR_ROWS_MAX
+    rows_max: int | None = native.LINEAR_ROWS_MAX
+    decode_rows: bool = False
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.rows_kernel and x.shape[0] <= self.rows_max and x.dtype == self.weight.dtype:
-            return native.linear_rows(x, self.weight, self.bias)  # few rows: bound by reading the weight
+        if self.decode_rows:
+            classes = _STEP_ROWS.get()
+            if classes is not None and classes.rows == x.shape[0] and classes.decode.numel():
+                return self._decode_apart(x, classes)
+        return self._rows_alike(x)
+
+    def _decode_apart(self, x: torch.Tensor, classes: StepRowClasses) -> torch.Tensor:
+        """Generated tokens' rows on the native few-row kernel, prompt rows as without classes."""
+        if classes.split is not None:
+            p = classes.split
+            dec = x[p:]
+        else:
+            dec = x.index_select(0, classes.decode)
+        dec_out = self._native(dec)
+        if not classes.prompt.numel():
+            return dec_out
+        if classes.split is not None:
+            return torch.cat((self._prompt_rows(x[:p].contiguous()), dec_out))
+        out = x.new_empty((x.shape[0], self.weight.shape[0]))
+        out[classes.prompt] = self._prompt_rows(x.index_select(0, classes.prompt))
+        out[classes.decode] = dec_out
+        return out
+
+    def _prompt_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """A step's prompt rows: tiled on AMX CPUs in bf16/fp16 (:meth:`_by_class`), else as any call."""
+        return self._tiled(x) if _AMX and x.dtype in _REDUCED and x.device.type == "cpu" else self._rows_alike(x)
+
+    def _native(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` on the native few-row kernel, in calls of at most ``LINEAR_ROWS_MAX`` rows (each row's
+        bits independent of the others)."""
+        step = native.LINEAR_ROWS_MAX
+        if x.shape[0] <= step:
+            return native.linear_rows(x, self.weight, self.bias)
+        return torch.cat([native.linear_rows(x[i : i + step], self.weight, self.bias) for i in range(0, x.shape[0], step)])
+
+    def _rows_alike(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` with no row told apart from the others."""
+        if self.rows_kernel and (self.rows_max is None or x.shape[0] <= self.rows_max) and x.dtype == self.weight.dtype:
+            return self._native(x)  # few rows: bound by reading the weight
         if _AMX and x.dtype in _REDUCED and x.device.type == "cpu":
             return self._by_class(x)
         if x.shape[0] == 1 and x.dtype in _REDUCED and x.device.type == "cpu":
@@ -200,17 +244,6 @@ def _packing_works(dtype: torch.dtype) -> bool:
 _works: dict[torch.dtype, bool] = {}
 
 
-PICKED_ROWS_MAX = {torch.float32: 2, torch.bfloat16: 3}
-"""Most rows of a call of a layer whose rows are picked out of a step (the LM head: one per
-sequence) that take :func:`~ragcache_backend.model.kernels.native.linear_rows`; more take oneDNN.
-Measured for SmolLM2-135M's head (49,152 x 576) on a 2-core Zen 4 (AVX-512, 2026-11-28, medians of 9):
-the native kernel takes 0.56 / 0.60 / 0.80x oneDNN's time at 1 / 2 / 3 rows in bf16 (a lone row runs
-as two in oneDNN) and 0.70 / 0.69 / 1.10x in float32, and 1.1-1.5x from 4 rows (short K, many
-outputs: oneDNN's packed blocking wins once the rows make it compute-bound). A picked row's logits
-depend on the kernel, so on the number of sequences in its step (1-3 or more), never on what
-was cached: such a layer produces no K/V."""
-
-
 def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, *, per_step: bool = True,
                 picked_rows: bool = False) -> Linear:
     """A :class:`Linear` over ``weight`` ``[out, in]`` (and ``bias``), packed for oneDNN when the
@@ -218,9 +251,12 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, *, per_s
 
     Args:
         per_step: see :class:`Linear`.
-        picked_rows: its rows are picked out of a step, one per sequence (the LM head): calls of up
-            to :data:`PICKED_ROWS_MAX` rows (of the weight's dtype, float32 or bf16) take the native
-            few-row kernel. Otherwise float32 calls of up to
+        picked_rows: its rows are picked out of a step, one per sequence (the LM head): every call
+            (float32 or bf16) takes the native few-row kernel, so a row's logits never depend on how
+            many sequences share its step. Against oneDNN's packed GEMM, SmolLM2-135M's head
+            (49,152 x 576) on a 2-core Zen 4 (2026-11-28, one call, medians of 9): bf16 0.56 / 0.60 /
+            0.80x the time at 1 / 2 / 3 rows, 1.1-1.5x from 4 rows; float32 0.70x at 1-2 rows,
+            1.1-1.5x from 3. Otherwise float32 calls of up to
             :data:`~ragcache_backend.model.kernels.native.LINEAR_ROWS_MAX` rows take it (decode rows)
             and bf16 calls never (a prompt row's K/V must keep oneDNN's bits, whatever the call's size).
 
@@ -229,11 +265,12 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, *, per_s
     weight = weight.detach()
     bias = bias.detach().contiguous() if bias is not None else None
     if picked_rows:
-        rows_max = PICKED_ROWS_MAX.get(weight.dtype, 0)
+        rows_max = None
     else:  # bf16 prompts keep oneDNN's bits
         rows_max = native.LINEAR_ROWS_MAX if weight.dtype == torch.float32 else 0
-    rows = rows_max > 0 and native.linear_rows_available(weight)
-    plain = Linear(weight, bias, per_step=per_step, rows_kernel=rows, rows_max=rows_max)
+    rows = rows_max != 0 and native.linear_rows_available(weight)
+    decode = per_step and not picked_rows and native.linear_rows_available(weight)
+    plain = Linear(weight, bias, per_step=per_step, rows_kernel=rows, rows_max=rows_max, decode_rows=decode)
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
         return plain
     if weight.dtype not in _works:
@@ -241,4 +278,4 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, *, per_s
     if not _works[weight.dtype]:
         return plain
     return Linear(weight, bias, torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()), per_step=per_step,
-                  rows_kernel=rows, rows_max=rows_max)
+                  rows_kernel=rows, rows_max=rows_max, decode_rows=decode)
