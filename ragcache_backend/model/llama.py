@@ -298,6 +298,13 @@ class PagedLlama:
         self.stat_layers = frozenset(round(i * (n - 1) / max(1, k - 1)) for i in range(k))
 
     @property
+    def lm_head(self) -> Linear:
+        """The LM head: ``[R, hidden]`` final-normed rows -> ``[R, vocab]`` in the model dtype (its
+        kernel choice is :class:`~ragcache_backend.model.kernels.linear.Linear`'s fields, which an A/B
+        run may set)."""
+        return self._lm_head
+
+    @property
     def kernel_tag(self) -> str:
         """Which forward path runs: ``native-fused``, ``native-attention`` or ``torch`` (prefill
         costs, and bf16 roundings, differ between them)."""

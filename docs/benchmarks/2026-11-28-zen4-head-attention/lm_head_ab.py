@@ -7,7 +7,7 @@ from ragcache_backend.model.kernels import native
 MiB = 1 << 20
 dt = sys.argv[1]
 eng = RAGCacheEngine(EngineConfig(model=str(MODEL_DIR), dtype=dt, threads=2, device_budget_bytes=2048 * MiB, host_budget_bytes=0))
-head = eng.runner.layers._lm_head
+head = eng.runner.layers.lm_head
 new = (head.rows_kernel, head.rows_max)
 old = (dt == "float32", native.LINEAR_ROWS_MAX)  # before 8984152: bf16 oneDNN only
 print("new", new, "old", old)

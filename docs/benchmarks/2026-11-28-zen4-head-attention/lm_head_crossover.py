@@ -9,6 +9,6 @@ for dt in (torch.bfloat16, torch.float32):
     for rep in range(9):
         for m in range(1, 9):
             xe = xs[m].expand(2, -1).contiguous() if m == 1 and dt == torch.bfloat16 else xs[m]
-            for name, f in (("onednn", lambda: lin._apply(xe)), ("rows", lambda: native.linear_rows(xs[m], w))):
+            for name, f in (("onednn", lambda: lin.gemm(xe)), ("rows", lambda: native.linear_rows(xs[m], w))):
                 t = time.perf_counter(); f(); f(); res.setdefault((name, m), []).append((time.perf_counter() - t) / 2)
     print(dt, " ".join(f"M{m}: {1e3*statistics.median(res[('rows', m)]):.2f}/{1e3*statistics.median(res[('onednn', m)]):.2f}={statistics.median(res[('rows', m)])/statistics.median(res[('onednn', m)]):.2f}" for m in range(1, 9)))

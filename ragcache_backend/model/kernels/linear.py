@@ -185,8 +185,8 @@ class Linear:
             # K = 1,536: ~9% of single rows round differently in bf16; every M >= 2 agrees), so a
             # single row runs as two: a prompt's last token then rounds the same whether it was
             # computed alone (a cache hit) or with the rest of its prompt. Costs nothing measurable.
-            return self._apply(x.expand(2, -1).contiguous())[:1]
-        return self._apply(x)
+            return self.gemm(x.expand(2, -1).contiguous())[:1]
+        return self.gemm(x)
 
     def _by_class(self, x: torch.Tensor) -> torch.Tensor:
         """AMX CPUs: prompt rows in :data:`ROW_TILE`-row calls, other rows in small calls."""
@@ -206,10 +206,10 @@ class Linear:
     def _small(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` in calls of at most :data:`SMALL_CALL` rows (a lone row run as two)."""
         if x.shape[0] == 1:
-            return self._apply(x.expand(2, -1).contiguous())[:1]
+            return self.gemm(x.expand(2, -1).contiguous())[:1]
         if x.shape[0] <= SMALL_CALL:
-            return self._apply(x.contiguous())
-        return torch.cat([self._apply(x[i : i + SMALL_CALL].contiguous()) for i in range(0, x.shape[0], SMALL_CALL)])
+            return self.gemm(x.contiguous())
+        return torch.cat([self.gemm(x[i : i + SMALL_CALL].contiguous()) for i in range(0, x.shape[0], SMALL_CALL)])
 
     def _tiled(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` in calls of exactly :data:`ROW_TILE` rows (AMX CPUs: row results independent of M)."""
@@ -219,10 +219,13 @@ class Linear:
             x = torch.cat((x, x.new_zeros(pad, x.shape[1])))
         x = x.contiguous()
         if x.shape[0] == ROW_TILE:
-            return self._apply(x)[:rows]
-        return torch.cat([self._apply(x[i : i + ROW_TILE]) for i in range(0, x.shape[0], ROW_TILE)])[:rows]
+            return self.gemm(x)[:rows]
+        return torch.cat([self.gemm(x[i : i + ROW_TILE]) for i in range(0, x.shape[0], ROW_TILE)])[:rows]
 
-    def _apply(self, x: torch.Tensor) -> torch.Tensor:
+    def gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """``x W^T + b`` in one call of oneDNN's GEMM over the packed weight (``F.linear`` when
+        not packed), whatever the row count: the path :meth:`__call__` takes for the rows the native
+        kernel does not; public for benchmarks that compare the two."""
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
