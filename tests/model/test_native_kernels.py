@@ -179,35 +179,32 @@ def test_bad_arguments_raise_a_typed_error():
         native.add_rms_norm(torch.randn(2, 64).bfloat16(), None, torch.ones(32).bfloat16(), 1e-5)
 
 
-@pytest.fixture(scope="module")
-def tiny_bf16_llama():
-    """A random 2-layer Llama with head size 64 (the native kernels' size), bf16."""
+def _random_bf16_llama(name: str, seed: int, hidden: int, intermediate: int, heads: int, kv_heads: int):
+    """A random 2-layer Llama in bf16 (vocabulary 512), as a :class:`LoadedModel` named ``name``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from ragcache_backend.model.loader import LoadedModel
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=192, intermediate_size=384, num_hidden_layers=2, num_attention_heads=3,
-                      num_key_value_heads=1, max_position_embeddings=2048, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=2048,
+                      tie_word_embeddings=False)
     model = LlamaForCausalLM(cfg).eval().to(torch.bfloat16)
-    return LoadedModel(model=model, tokenizer=None, name="tiny-bf16-64", fingerprint="tiny-bf16-64", dtype=torch.bfloat16,
+    return LoadedModel(model=model, tokenizer=None, name=name, fingerprint=name, dtype=torch.bfloat16,
                        device=torch.device("cpu"), context_window=2048)
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16_llama():
+    """A random 2-layer Llama with head size 64 (the native kernels' size), bf16."""
+    return _random_bf16_llama("tiny-bf16-64", seed=0, hidden=192, intermediate=384, heads=3, kv_heads=1)
 
 
 @pytest.fixture(scope="module")
 def wide_bf16_llama():
     """A random 2-layer Llama of SmolLM2-135M's layer shapes (hidden 576, MLP 1,536, 9 / 3 heads),
     bf16: long enough sums that oneDNN's GEMM and the few-row kernel round differently."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from ragcache_backend.model.loader import LoadedModel
-
-    torch.manual_seed(2)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=576, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=9,
-                      num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg).eval().to(torch.bfloat16)
-    return LoadedModel(model=model, tokenizer=None, name="wide-bf16-64", fingerprint="wide-bf16-64", dtype=torch.bfloat16,
-                       device=torch.device("cpu"), context_window=2048)
+    return _random_bf16_llama("wide-bf16-64", seed=2, hidden=576, intermediate=1536, heads=9, kv_heads=3)
 
 
 def test_runner_native_path_is_exact_across_the_cache_and_close_to_transformers(tiny_bf16_llama):

@@ -147,19 +147,19 @@ class Linear:
 
     def _decode_apart(self, x: torch.Tensor, classes: StepRowClasses) -> torch.Tensor:
         """Generated tokens' rows on the native few-row kernel, prompt rows as without classes."""
+        return self._split_by_class(x, classes, self._prompt_rows, self._native)
+
+    @staticmethod
+    def _split_by_class(x: torch.Tensor, classes: StepRowClasses, prompt_fn, decode_fn) -> torch.Tensor:
+        """``prompt_fn`` over the step's prompt rows and ``decode_fn`` over its generated tokens' rows
+        (``classes.decode`` not empty), put back in the step's row order."""
         if classes.split is not None:
             p = classes.split
-            dec = x[p:]
-        else:
-            dec = x.index_select(0, classes.decode)
-        dec_out = self._native(dec)
-        if not classes.prompt.numel():
-            return dec_out
-        if classes.split is not None:
-            return torch.cat((self._prompt_rows(x[:p].contiguous()), dec_out))
-        out = x.new_empty((x.shape[0], self.weight.shape[0]))
-        out[classes.prompt] = self._prompt_rows(x.index_select(0, classes.prompt))
-        out[classes.decode] = dec_out
+            return torch.cat((prompt_fn(x[:p].contiguous()), decode_fn(x[p:]))) if p else decode_fn(x)
+        prompt_out = prompt_fn(x.index_select(0, classes.prompt))
+        out = x.new_empty((x.shape[0], prompt_out.shape[1]))
+        out[classes.prompt] = prompt_out
+        out[classes.decode] = decode_fn(x.index_select(0, classes.decode))
         return out
 
     def _prompt_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -195,13 +195,7 @@ class Linear:
             return self._small(x)
         if classes is None or not classes.decode.numel():
             return self._tiled(x)
-        if classes.split is not None:
-            p = classes.split
-            return torch.cat((self._tiled(x[:p]), self._small(x[p:]))) if p else self._small(x)
-        out = x.new_empty((x.shape[0], self.weight.shape[0]))
-        out[classes.prompt] = self._tiled(x.index_select(0, classes.prompt))
-        out[classes.decode] = self._small(x.index_select(0, classes.decode))
-        return out
+        return self._split_by_class(x, classes, self._tiled, self._small)
 
     def _small(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` in calls of at most :data:`SMALL_CALL` rows (a lone row run as two)."""
@@ -271,8 +265,9 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, *, per_s
         rows_max = None
     else:  # bf16 prompts keep oneDNN's bits
         rows_max = native.LINEAR_ROWS_MAX if weight.dtype == torch.float32 else 0
-    rows = rows_max != 0 and native.linear_rows_available(weight)
-    decode = per_step and not picked_rows and native.linear_rows_available(weight)
+    native_ok = native.linear_rows_available(weight)
+    rows = rows_max != 0 and native_ok
+    decode = per_step and not picked_rows and native_ok
     plain = Linear(weight, bias, per_step=per_step, rows_kernel=rows, rows_max=rows_max, decode_rows=decode)
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
         return plain
