@@ -221,7 +221,7 @@ class DtypeChoice:
 
     Attributes:
         dtype: the weights' and the KV's dtype.
-        reason: why, in words, for the log (e.g. ``"auto: the native AVX512-BF16 kernels run this model"``).
+        reason: why, in words, for the log (e.g. ``"auto: the native bf16 kernels (AVX512-BF16) run this model ..."``).
     """
 
     dtype: torch.dtype
@@ -276,7 +276,7 @@ def _auto_dtype(device: torch.device, folder: Path, kwargs: dict) -> DtypeChoice
                else native.unavailable_reason(torch.bfloat16, device, head_dim, group))
     if why_not is not None:
         return DtypeChoice(torch.float32, f"auto: the native bf16 kernels cannot run this model ({why_not})")
-    return DtypeChoice(torch.bfloat16, f"auto: the native {native.instruction_set(torch.bfloat16)} kernels "
+    return DtypeChoice(torch.bfloat16, f"auto: the native bf16 kernels ({native.instruction_set(torch.bfloat16)}) "
                                        "run this model (cached and uncached answers identical)")
 
 

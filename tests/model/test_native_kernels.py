@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -50,6 +53,45 @@ def test_paged_attention_rows_do_not_depend_on_the_other_rows():
         assert torch.equal(warm, cold[cached:]), cached
     head = native.paged_prefill_attention(q[:300], kc, vc, slots[:300], 0, 0.125)
     assert torch.equal(head, cold[:300])
+
+
+@pytest.mark.skipif(not native.bf16_amx(), reason="AMX prompt attention needs a CPU with AMX-BF16 (and Linux's tile state)")
+@pytest.mark.parametrize("cached,new,hq,hkv,d", [(0, 1, 9, 3, 64), (0, 70, 9, 3, 64), (63, 1, 9, 3, 64), (64, 65, 6, 3, 64),
+                                                   (130, 64, 8, 2, 128), (10, 40, 8, 1, 256), (300, 300, 9, 3, 64)])
+def test_prompt_attention_on_amx_tiles_matches_the_reference_and_the_avx512_kernel(cached, new, hq, hkv, d):
+    """Where the CPU has AMX both prompt kernels run: each as close to the float32 reference as
+    PyTorch's own bf16 attention, the two within a bf16 rounding of each other, each keeping every
+    row's bits whatever came from the cache."""
+    kc, vc = _arena(1024, hkv, d, seed=cached + new + 1)
+    g = torch.Generator().manual_seed(11)
+    slots = torch.randperm(1024, generator=g)[: cached + new]
+    q = torch.randn(new, hq + 2 * hkv, d, generator=g).bfloat16()[:, :hq]
+    ref = attention(q.float(), kc[slots].float(), vc[slots].float(), scale=d**-0.5, mask=prefix_causal_mask(new, cached + new))
+    torch_err = (attention(q, kc[slots], vc[slots], scale=d**-0.5, mask=prefix_causal_mask(new, cached + new)).float() - ref).abs()
+    out, before = {}, native.bf16_amx()
+    try:
+        for amx in (True, False):
+            assert native.bf16_amx(amx) == amx
+            out[amx] = native.paged_prefill_attention(q, kc, vc, slots, cached, d**-0.5)
+            err = (out[amx].float() - ref).abs()
+            assert err.max().item() < 2e-2 and err.mean() <= 1.5 * torch_err.mean() + 1e-4, amx
+            for more in {1, new // 2, new - 1} - {0, new}:  # rows 0 .. more - 1 cached too: the rest the same bits
+                warm = native.paged_prefill_attention(q[more:], kc, vc, slots, cached + more, d**-0.5)
+                assert torch.equal(warm, out[amx][more:]), (amx, more)
+    finally:
+        native.bf16_amx(before)
+    a, b = out[True].float(), out[False].float()
+    # one bf16 rounding apart, or float32 sums' order where the output is a cancellation of larger terms
+    assert bool(((a - b).abs() <= torch.maximum(a.abs(), b.abs()) * 2**-7 + 1e-3).all())
+
+
+@pytest.mark.skipif(not native.bf16_amx(), reason="AMX prompt attention needs a CPU with AMX-BF16 (and Linux's tile state)")
+def test_ragcache_amx_0_keeps_prompt_attention_on_avx512_bf16():
+    code = "import torch; from ragcache_backend.model.kernels import native; print(native.bf16_amx(), native.instruction_set(torch.bfloat16))"
+    for env, expect in (("0", "False AVX512-BF16"), ("1", "True AVX512-BF16, prompt attention on AMX")):
+        run = subprocess.run([sys.executable, "-c", code], env={**os.environ, "RAGCACHE_AMX": env}, capture_output=True, text=True,
+                             timeout=120, check=True)
+        assert run.stdout.strip() == expect, run.stderr[-2000:]
 
 
 @pytest.mark.parametrize("context,hq,hkv,d", [(1, 9, 3, 64), (15, 9, 3, 64), (16, 9, 3, 64), (1000, 9, 3, 64), (77, 8, 1, 128),

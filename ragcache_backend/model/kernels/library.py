@@ -103,8 +103,10 @@ def _build(folder: Path | None = None) -> tuple[ctypes.CDLL | None, str]:
     lib.rc_linear_rows.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, nt]
     lib.rc32_segment_mass.restype = ctypes.c_int
     lib.rc32_segment_mass.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, i64, ptr, i64, f32, ptr, nt]
-    lib.rc32_wide.restype = ctypes.c_int
-    lib.rc32_wide.argtypes = [nt]
+    for name in ("rc32_wide", "rc_amx"):  # rc_amx: not in an older revision's csrc/ (kernel_ab.py builds those)
+        if hasattr(lib, name):
+            getattr(lib, name).restype = ctypes.c_int
+            getattr(lib, name).argtypes = [nt]
     for step in (lib.rc32_decode_step, lib.rc_decode_step):
         step.restype = ctypes.c_int
         step.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, f32, nt]
@@ -128,6 +130,8 @@ def load() -> ctypes.CDLL | None:
                     _lib, _why_not = _build()
                     if _lib is None:  # one warning (the caller of build_library gets the error instead)
                         log.warning("native kernels: %s; using the torch path", _why_not)
+                    elif os.environ.get("RAGCACHE_AMX", "1") == "0":  # bf16 prompt attention on AVX512-BF16 (native.bf16_amx)
+                        _lib.rc_amx(0)
                 else:
                     _why_not = "RAGCACHE_NATIVE_KERNELS=0"
                 _tried = True

@@ -24,8 +24,11 @@ There a row's result is made independent of the rest of the batch by the class o
 
 Measured there (SmolLM2-135M bf16, 2 threads, 2026-11-23, ``engine.generate``): a 1,050-token
 miss 0.65 s instead of 0.40 s untiled (without AMX the GEMMs alone take 5-10x longer), a full
-cache hit 68 ms instead of 40 ms, a decode step unchanged (39 ms). That is the price of exact
-bf16 reuse on AMX; float32 (the default) never uses AMX and is unaffected.
+cache hit 68 ms instead of 40 ms, a decode step unchanged (39 ms). Re-measured 2026-11-28 on a
+2-core Xeon with AMX (one forward pass of 1,000 prompt tokens, alternating): the layer GEMMs 173-185
+ms in 128-row calls against 141-158 ms in one call, the pass 268-286 against 231-250 ms (~1.15x;
+calls of 256 or 384 rows gain nothing). That is the price of exact bf16 reuse on AMX; float32
+never uses AMX and is unaffected.
 """
 
 from __future__ import annotations
@@ -208,13 +211,12 @@ class Linear:
     def _tiled(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` in calls of exactly :data:`ROW_TILE` rows (AMX CPUs: row results independent of M)."""
         rows = x.shape[0]
-        pad = -rows % ROW_TILE
-        if pad:
-            x = torch.cat((x, x.new_zeros(pad, x.shape[1])))
+        full = rows - rows % ROW_TILE
         x = x.contiguous()
-        if x.shape[0] == ROW_TILE:
-            return self.gemm(x)[:rows]
-        return torch.cat([self.gemm(x[i : i + ROW_TILE]) for i in range(0, x.shape[0], ROW_TILE)])[:rows]
+        outs = [self.gemm(x[i : i + ROW_TILE]) for i in range(0, full, ROW_TILE)]
+        if full < rows:  # only the last tile is copied to pad it (padding all of x: 155 against 137 ms of 1,000 rows' GEMMs)
+            outs.append(self.gemm(torch.cat((x[full:], x.new_zeros(full + ROW_TILE - rows, x.shape[1]))))[: rows - full])
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def gemm(self, x: torch.Tensor) -> torch.Tensor:
         """``x W^T + b`` in one call of oneDNN's GEMM over the packed weight (``F.linear`` when

@@ -5,7 +5,8 @@
  * hq / g), causal attention over context slots[0 .. P+T-1] read straight from the KV arena (no
  * gather, no concatenation): out[t, hq] = softmax(scale * q[t, hq] . K[0..P+t]^T) V[0..P+t].
  *
- * Arithmetic: QK^T and PV with VDPBF16PS (bf16 pairs, float32 accumulation); online softmax in
+ * Arithmetic: QK^T and PV with VDPBF16PS (bf16 pairs, float32 accumulation), or on CPUs with AMX
+ * with TDPBF16PS on tiles of 16 query rows (attend_item_amx, rc_amx); online softmax in
  * float32 over key blocks of 64 starting at key 0; probabilities rounded to bf16 for PV as in
  * FlashAttention; output rounded once to bf16.
  *
@@ -32,6 +33,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "bf16_common.h" /* bf16_t, DECODE_CHUNK, rc_decode_chunk's and rc_decode_merge's declarations */
 #include "simd_exp.h"    /* exp512 */
@@ -155,6 +159,179 @@ static void attend_item(const bf16_t *q, int64_t q_row, int64_t D, int64_t g, in
             }
         }
     }
+}
+
+/* AMX (Intel Sapphire Rapids and later): attend_item's work item on tiles. rc_amx says whether the
+ * CPU has AMX-TILE and AMX-BF16 and Linux granted this process the tile state (arch_prctl
+ * ARCH_REQ_XCOMP_PERM; oneDNN asks for the same); request 0 or 1 sets it for the process (1 only
+ * where it can run), -1 only asks. Every prompt row of every call takes the same kernel, so the
+ * exactness above holds on either; the two kernels' rows differ in rounding (another summation
+ * order of the same bf16 products). */
+static int amx_on = -1;
+int rc_amx(int request) {
+    if (request < 0 && amx_on >= 0) return amx_on; /* every call asks: no probe then */
+    int can = 0;
+#if defined(__x86_64__) && defined(__linux__)
+    unsigned a, b, c, d;
+    if (rc_supported() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 22 & 1)) /* AMX-TILE, AMX-BF16 */
+        can = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+#endif
+    amx_on = request >= 0 ? (request && can) : can;
+    return amx_on;
+}
+
+#define TGT_AMX __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl,amx-tile,amx-bf16")))
+
+/* Every tile 16 rows of 64 bytes: t0-t3 float32 sums (16 x 16); A operands (16 rows x 32 bf16) and
+ * B operands (16 bf16 pairs x 16 columns: the packed keys' and values' layouts as they are) in
+ * t4-t7: the scores take A in t4 and B in t5-t7, P V takes A in t4-t5 and B in t6-t7. */
+TGT_AMX static void amx_configure(void) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } cfg __attribute__((aligned(64)));
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* attend_item on AMX tiles, one query head of the group at a time, its QPOS (16) query positions
+ * the rows of every tile (the last block's missing rows zero and never written out). Per key block
+ * of KB (64): scores S = Q K^T in four 16 x 16 tiles (TDPBF16PS over the head size, 32 at a time,
+ * in d order); the online softmax of each row as attend_item's (float32, masked past the row's
+ * causal limit, a row past it left untouched, probabilities rounded to bf16); P V for the block
+ * from zero in tiles (keys 0-31, then 32-63), added to the row's rescaled sum. A row's result
+ * depends on its own query, position and keys only: TDPBF16PS computes each output row from its
+ * own A row, and the rest is per row. */
+TGT_AMX static void attend_item_amx(const bf16_t *q, int64_t q_row, int64_t D, int64_t g, int64_t h,
+                                    int64_t t0, int64_t t1, int64_t P, const uint32_t *kp, const uint32_t *vp,
+                                    float scale, bf16_t *out, int64_t out_row) {
+    const int64_t n = t1 - t0, DP = D / 2, nblocks = (P + t1 - 1) / KB + 1;
+    bf16_t qb[QPOS * 256] __attribute__((aligned(64)));
+    float sc[QPOS * KB] __attribute__((aligned(64)));
+    uint32_t pb[QPOS * KB / 2] __attribute__((aligned(64)));
+    float pv[QPOS * 64] __attribute__((aligned(64)));
+    float acc[QPOS * 256] __attribute__((aligned(64)));
+    float m[QPOS], l[QPOS], alpha[QPOS];
+    int live[QPOS];
+    amx_configure();
+    for (int64_t i = 0; i < g; i++) {
+        const int64_t hq = h * g + i;
+        for (int64_t r = 0; r < QPOS; r++) {
+            if (r < n) memcpy(qb + r * D, q + (t0 + r) * q_row + hq * D, sizeof(bf16_t) * D);
+            else memset(qb + r * D, 0, sizeof(bf16_t) * D);
+            m[r] = -INFINITY;
+            l[r] = 0.0f;
+            memset(acc + r * D, 0, sizeof(float) * D);
+        }
+        for (int64_t kb = 0; kb < nblocks; kb++) {
+            const uint32_t *kblk = kp + kb * 4 * DP * 16;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t c = 0; c < D / 32; c++) { /* head-size columns 32 c .. 32 c + 31: bf16 pairs 16 c .. 16 c + 15 */
+                _tile_loadd(4, qb + 32 * c, D * sizeof(bf16_t));
+                _tile_loadd(5, kblk + (0 * DP + 16 * c) * 16, 64);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_loadd(6, kblk + (1 * DP + 16 * c) * 16, 64);
+                _tile_dpbf16ps(1, 4, 6);
+                _tile_loadd(7, kblk + (2 * DP + 16 * c) * 16, 64);
+                _tile_dpbf16ps(2, 4, 7);
+                _tile_loadd(5, kblk + (3 * DP + 16 * c) * 16, 64);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+            _tile_stored(0, sc, KB * sizeof(float));
+            _tile_stored(1, sc + 16, KB * sizeof(float));
+            _tile_stored(2, sc + 32, KB * sizeof(float));
+            _tile_stored(3, sc + 48, KB * sizeof(float));
+            int any = 0;
+            for (int64_t r = 0; r < QPOS; r++) {
+                int64_t valid = P + t0 + r - kb * KB + 1;
+                if (valid > KB) valid = KB;
+                live[r] = r < n && valid > 0;
+                if (!live[r]) { /* a missing row, or past this row's causal limit: untouched */
+                    memset(pb + r * (KB / 2), 0, sizeof(uint32_t) * (KB / 2));
+                    continue;
+                }
+                any = 1;
+                __m512 s[4], pr[4];
+                __mmask16 mk[4];
+                __m512 bm = _mm512_set1_ps(-INFINITY);
+                for (int j = 0; j < 4; j++) {
+                    int64_t left = valid - j * 16;
+                    mk[j] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1u);
+                    s[j] = _mm512_mul_ps(_mm512_load_ps(sc + r * KB + 16 * j), _mm512_set1_ps(scale));
+                    bm = _mm512_mask_max_ps(bm, mk[j], bm, s[j]);
+                }
+                float bmax = _mm512_reduce_max_ps(bm);
+                float mnew = bmax > m[r] ? bmax : m[r];
+                alpha[r] = mnew == m[r] ? 1.0f : expf(m[r] - mnew);
+                __m512 mv = _mm512_set1_ps(mnew), sum = _mm512_setzero_ps();
+                for (int j = 0; j < 4; j++) {
+                    pr[j] = _mm512_maskz_mov_ps(mk[j], exp512(_mm512_sub_ps(s[j], mv)));
+                    sum = _mm512_add_ps(sum, pr[j]);
+                }
+                l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
+                m[r] = mnew;
+                _mm512_store_si512(pb + r * (KB / 2), (__m512i)_mm512_cvtne2ps_pbh(pr[1], pr[0]));
+                _mm512_store_si512(pb + r * (KB / 2) + 16, (__m512i)_mm512_cvtne2ps_pbh(pr[3], pr[2]));
+            }
+            if (!any) continue;
+            /* P V: A = probabilities of keys 0-31 (t4) and 32-63 (t5), B = the block's value pairs */
+            const uint32_t *vblk = vp + kb * (KB / 2) * D;
+            _tile_loadd(4, pb, KB / 2 * sizeof(uint32_t));
+            _tile_loadd(5, pb + 16, KB / 2 * sizeof(uint32_t));
+            for (int64_t dg = 0; dg < D; dg += 64) {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                const int64_t vs = D * sizeof(uint32_t);
+                _tile_loadd(6, vblk + dg, vs);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_loadd(7, vblk + 16 * D + dg, vs);
+                _tile_dpbf16ps(0, 5, 7);
+                _tile_loadd(6, vblk + dg + 16, vs);
+                _tile_dpbf16ps(1, 4, 6);
+                _tile_loadd(7, vblk + 16 * D + dg + 16, vs);
+                _tile_dpbf16ps(1, 5, 7);
+                _tile_loadd(6, vblk + dg + 32, vs);
+                _tile_dpbf16ps(2, 4, 6);
+                _tile_loadd(7, vblk + 16 * D + dg + 32, vs);
+                _tile_dpbf16ps(2, 5, 7);
+                _tile_loadd(6, vblk + dg + 48, vs);
+                _tile_dpbf16ps(3, 4, 6);
+                _tile_loadd(7, vblk + 16 * D + dg + 48, vs);
+                _tile_dpbf16ps(3, 5, 7);
+                _tile_stored(0, pv, 64 * sizeof(float));
+                _tile_stored(1, pv + 16, 64 * sizeof(float));
+                _tile_stored(2, pv + 32, 64 * sizeof(float));
+                _tile_stored(3, pv + 48, 64 * sizeof(float));
+                for (int64_t r = 0; r < QPOS; r++) {
+                    if (!live[r]) continue;
+                    __m512 a = _mm512_set1_ps(alpha[r]);
+                    float *ar = acc + r * D + dg;
+                    for (int j = 0; j < 4; j++)
+                        _mm512_store_ps(ar + 16 * j, _mm512_add_ps(_mm512_mul_ps(_mm512_load_ps(ar + 16 * j), a),
+                                                                   _mm512_load_ps(pv + r * 64 + 16 * j)));
+                }
+            }
+        }
+        for (int64_t r = 0; r < n; r++) {
+            __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+            bf16_t *dst = out + (t0 + r) * out_row + hq * D;
+            for (int64_t d = 0; d < D; d += 32)
+                _mm512_storeu_si512(dst + d, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_load_ps(acc + r * D + d + 16), inv),
+                                                                         _mm512_mul_ps(_mm512_load_ps(acc + r * D + d), inv)));
+        }
+    }
+    _tile_release();
 }
 
 /* Pack keys [start, end) of KV head h into kp / vp (see attend_item); keys >= S are zero. */
@@ -351,6 +528,7 @@ int rc_paged_attention(const bf16_t *q, int64_t q_row, const bf16_t *kc, const b
                        int64_t Hkv, int64_t D, float scale, bf16_t *out, int nthreads) {
     if (B < 1 || Hkv < 1 || Hq % Hkv != 0 || D % 64 != 0 || D > 256 || nthreads < 1 || Hq / Hkv > 8) return 1;
     const int64_t g = Hq / Hkv;
+    const int amx = rc_amx(-1);
     int64_t pack_words = 0, nitems = 0, npack = 0, part_floats = 0, nmerge = 0;
     for (int64_t b = 0; b < B; b++) {
         int64_t T = q_off[b + 1] - q_off[b], S = ctx_off[b + 1] - ctx_off[b];
@@ -418,7 +596,7 @@ int rc_paged_attention(const bf16_t *q, int64_t q_row, const bf16_t *kc, const b
                 int64_t S_pad = (S + KB - 1) / KB * KB;
                 const uint32_t *kp = pack + pack_at[it.seq] + it.h * S_pad * D / 2;
                 const uint32_t *vp = pack + pack_at[it.seq] + (Hkv + it.h) * S_pad * D / 2;
-                attend_item(qs, q_row, D, g, it.h, it.t0, it.t1, S - T, kp, vp, scale, os, Hq * D);
+                (amx ? attend_item_amx : attend_item)(qs, q_row, D, g, it.h, it.t0, it.t1, S - T, kp, vp, scale, os, Hq * D);
             }
         }
 #pragma omp for schedule(static)
