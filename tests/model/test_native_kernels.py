@@ -18,6 +18,9 @@ pytestmark = pytest.mark.skipif(not native.available(torch.bfloat16, "cpu", 64),
                                 reason="native kernels need a C compiler and a CPU with AVX512-BF16")
 
 
+_AMX = native.available(torch.bfloat16, "cpu", 64) and native.bf16_amx()  # a CPU without the library: no call at import
+
+
 def _arena(slots: int, hkv: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(slots, hkv, d, generator=g).bfloat16(), torch.randn(slots, hkv, d, generator=g).bfloat16()
@@ -55,7 +58,7 @@ def test_paged_attention_rows_do_not_depend_on_the_other_rows():
     assert torch.equal(head, cold[:300])
 
 
-@pytest.mark.skipif(not native.bf16_amx(), reason="AMX prompt attention needs a CPU with AMX-BF16 (and Linux's tile state)")
+@pytest.mark.skipif(not _AMX, reason="AMX prompt attention needs a CPU with AMX-BF16 (and Linux's tile state)")
 @pytest.mark.parametrize("cached,new,hq,hkv,d", [(0, 1, 9, 3, 64), (0, 70, 9, 3, 64), (63, 1, 9, 3, 64), (64, 65, 6, 3, 64),
                                                    (130, 64, 8, 2, 128), (10, 40, 8, 1, 256), (300, 300, 9, 3, 64)])
 def test_prompt_attention_on_amx_tiles_matches_the_reference_and_the_avx512_kernel(cached, new, hq, hkv, d):
@@ -85,7 +88,7 @@ def test_prompt_attention_on_amx_tiles_matches_the_reference_and_the_avx512_kern
     assert bool(((a - b).abs() <= torch.maximum(a.abs(), b.abs()) * 2**-7 + 1e-3).all())
 
 
-@pytest.mark.skipif(not native.bf16_amx(), reason="AMX prompt attention needs a CPU with AMX-BF16 (and Linux's tile state)")
+@pytest.mark.skipif(not _AMX, reason="AMX prompt attention needs a CPU with AMX-BF16 (and Linux's tile state)")
 def test_ragcache_amx_0_keeps_prompt_attention_on_avx512_bf16():
     code = "import torch; from ragcache_backend.model.kernels import native; print(native.bf16_amx(), native.instruction_set(torch.bfloat16))"
     for env, expect in (("0", "False AVX512-BF16"), ("1", "True AVX512-BF16, prompt attention on AMX")):
