@@ -193,13 +193,17 @@ def stop_token_ids(loaded: LoadedModel) -> frozenset[int]:
 
 
 def _machine_tag() -> str:
-    """A short hash of the CPU model name (``/proc/cpuinfo``; the platform string elsewhere)."""
-    name = platform.processor() or platform.machine()
+    """A short hash of the CPU model name and feature flags (``/proc/cpuinfo``; the platform string
+    elsewhere): VMs show generic names (``Intel(R) Xeon(R) Processor``) for CPUs with and without
+    AMX, whose prefill costs differ ~1.4x in bf16."""
+    name, flags = platform.processor() or platform.machine(), ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and not flags:
                 name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = " ".join(sorted(line.split(":", 1)[1].split()))
                 break
     except OSError:
         pass
-    return hashlib.sha256(name.encode()).hexdigest()[:8]
+    return hashlib.sha256(f"{name}|{flags}".encode()).hexdigest()[:8]
