@@ -150,24 +150,27 @@ class Linear:
 
     def _decode_apart(self, x: torch.Tensor, classes: StepRowClasses) -> torch.Tensor:
         """Generated tokens' rows on the native few-row kernel, prompt rows as without classes."""
-        return self._split_by_class(x, classes, self._prompt_rows, self._native)
+        return self._split_by_class(x, classes, self._prompt_parts, self._native)
 
     @staticmethod
-    def _split_by_class(x: torch.Tensor, classes: StepRowClasses, prompt_fn, decode_fn) -> torch.Tensor:
-        """``prompt_fn`` over the step's prompt rows and ``decode_fn`` over its generated tokens' rows
-        (``classes.decode`` not empty), put back in the step's row order."""
+    def _split_by_class(x: torch.Tensor, classes: StepRowClasses, prompt_parts, decode_fn) -> torch.Tensor:
+        """``prompt_parts`` over the step's prompt rows (their outputs as consecutive row blocks) and
+        ``decode_fn`` over its generated tokens' rows (``classes.decode`` not empty), put back in the
+        step's row order (one copy where the prompt rows come first)."""
         if classes.split is not None:
             p = classes.split
-            return torch.cat((prompt_fn(x[:p].contiguous()), decode_fn(x[p:]))) if p else decode_fn(x)
-        prompt_out = prompt_fn(x.index_select(0, classes.prompt))
+            return torch.cat([*prompt_parts(x[:p].contiguous()), decode_fn(x[p:])]) if p else decode_fn(x)
+        parts = prompt_parts(x.index_select(0, classes.prompt))
+        prompt_out = parts[0] if len(parts) == 1 else torch.cat(parts)
         out = x.new_empty((x.shape[0], prompt_out.shape[1]))
         out[classes.prompt] = prompt_out
         out[classes.decode] = decode_fn(x.index_select(0, classes.decode))
         return out
 
-    def _prompt_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """A step's prompt rows: tiled on AMX CPUs in bf16/fp16 (:meth:`_by_class`), else as any call."""
-        return self._tiled(x) if _AMX and x.dtype in _REDUCED and x.device.type == "cpu" else self._rows_alike(x)
+    def _prompt_parts(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """A step's prompt rows: tiled on AMX CPUs in bf16/fp16 (:meth:`_by_class`), else as any call;
+        their outputs as consecutive row blocks."""
+        return self._tile_parts(x) if _AMX and x.dtype in _REDUCED and x.device.type == "cpu" else [self._rows_alike(x)]
 
     def _native(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` on the native few-row kernel, in calls of at most ``LINEAR_ROWS_MAX`` rows (each row's
@@ -198,7 +201,7 @@ class Linear:
             return self._small(x)
         if classes is None or not classes.decode.numel():
             return self._tiled(x)
-        return self._split_by_class(x, classes, self._tiled, self._small)
+        return self._split_by_class(x, classes, self._tile_parts, self._small)
 
     def _small(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` in calls of at most :data:`SMALL_CALL` rows (a lone row run as two)."""
@@ -210,13 +213,18 @@ class Linear:
 
     def _tiled(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` in calls of exactly :data:`ROW_TILE` rows (AMX CPUs: row results independent of M)."""
+        parts = self._tile_parts(x)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _tile_parts(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """:meth:`_tiled`'s outputs, one per call, before they are put together."""
         rows = x.shape[0]
         full = rows - rows % ROW_TILE
         x = x.contiguous()
         outs = [self.gemm(x[i : i + ROW_TILE]) for i in range(0, full, ROW_TILE)]
         if full < rows:  # only the last tile is copied to pad it (padding all of x: 155 against 137 ms of 1,000 rows' GEMMs)
             outs.append(self.gemm(torch.cat((x[full:], x.new_zeros(full + ROW_TILE - rows, x.shape[1]))))[: rows - full])
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        return outs
 
     def gemm(self, x: torch.Tensor) -> torch.Tensor:
         """``x W^T + b`` in one call of oneDNN's GEMM over the packed weight (``F.linear`` when
