@@ -199,7 +199,7 @@ def _machine_tag() -> str:
     name, flags = platform.processor() or platform.machine(), ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and not flags:
+            if line.startswith("model name"):
                 name = line.split(":", 1)[1].strip()
             elif line.startswith("flags"):
                 flags = " ".join(sorted(line.split(":", 1)[1].split()))

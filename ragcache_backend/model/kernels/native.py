@@ -52,10 +52,12 @@ def bf16_amx(enable: bool | None = None) -> bool:
     the CPU has AMX-TILE and AMX-BF16 and Linux grants this process the tile state:
     ``csrc/paged_attention_bf16.c``, ``rc_amx``) instead of AVX512-BF16 (VDPBF16PS). Either way
     every prompt row is computed alone (cache exactness); the two round some rows differently
-    (another summation order of the same bf16 products), so an engine keeps one for its lifetime.
-    ``enable`` sets it for this process (True only takes effect where AMX runs), None only asks;
-    ``RAGCACHE_AMX=0`` in the environment turns it off when the library loads. Measured on a 2-core Xeon with AMX (2026-11-28, SmolLM2's 9/3 heads of 64): a 1,000-token
-    prompt's attention 2.2 against 7.4 ms per layer, 30 rows over 1,000 keys 0.23 against 0.51 ms.
+    (another summation order of the same bf16 products), so switch only before an engine runs:
+    K/V cached under one is not bit-identical under the other. ``enable`` sets it for this process
+    (True only takes effect where AMX runs), None only asks; ``RAGCACHE_AMX=0`` in the environment
+    turns it off when the library loads. Measured on a 2-core Xeon with AMX (2026-11-28, SmolLM2's
+    9 / 3 heads of 64): a 1,000-token prompt's attention 2.2 against 7.4 ms per layer, 30 rows over
+    1,000 keys 0.23 against 0.51 ms.
 
     Raises:
         RuntimeError: the native library is not available (:func:`unavailable_reason` says why).
