@@ -51,6 +51,39 @@ int rc_supported(void) {
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
 }
 
+/* One query row's online-softmax step over a key block (attend_item, attend_item_amx): c holds its
+ * 64 unscaled scores, the first valid (1 .. KB) inside its causal limit. Updates the row's largest
+ * score *m and its sum *l, stores its probabilities rounded to bf16 (32 pairs of consecutive keys)
+ * in pb, and returns the factor its earlier output sum is to be rescaled by (exactly 1 when the
+ * largest score did not move). */
+TGT_BF16 __attribute__((always_inline)) static inline float softmax_block(const __m512 c[4], int64_t valid, float scale,
+                                                                        float *m, float *l, uint32_t *pb) {
+    __m512 s[4];
+    __m512 bm = _mm512_set1_ps(-INFINITY);
+    __mmask16 mk[4];
+    for (int j = 0; j < 4; j++) {
+        int64_t left = valid - j * 16;
+        mk[j] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1u);
+        s[j] = _mm512_mul_ps(c[j], _mm512_set1_ps(scale));
+        bm = _mm512_mask_max_ps(bm, mk[j], bm, s[j]);
+    }
+    float bmax = _mm512_reduce_max_ps(bm);
+    float mnew = bmax > *m ? bmax : *m;
+    float alpha = mnew == *m ? 1.0f : expf(*m - mnew);
+    __m512 mv = _mm512_set1_ps(mnew);
+    __m512 sum = _mm512_setzero_ps();
+    __m512 pr[4];
+    for (int j = 0; j < 4; j++) {
+        pr[j] = _mm512_maskz_mov_ps(mk[j], exp512(_mm512_sub_ps(s[j], mv)));
+        sum = _mm512_add_ps(sum, pr[j]);
+    }
+    *l = *l * alpha + _mm512_reduce_add_ps(sum);
+    *m = mnew;
+    _mm512_store_si512(pb, (__m512i)_mm512_cvtne2ps_pbh(pr[1], pr[0]));
+    _mm512_store_si512(pb + 16, (__m512i)_mm512_cvtne2ps_pbh(pr[3], pr[2]));
+    return alpha;
+}
+
 /* One work item: query positions [t0, t1) of KV head h. kp: packed keys of this head,
  * [S_pad/16][D/2][16] uint32 (bf16 pairs); vp: packed values, [S_pad/2][D] uint32 (bf16 pairs of
  * consecutive keys). */
@@ -103,29 +136,7 @@ static void attend_item(const bf16_t *q, int64_t q_row, int64_t D, int64_t g, in
                     continue;
                 }
                 if (valid > maxvalid) maxvalid = valid;
-                __m512 s[4];
-                __m512 bm = _mm512_set1_ps(-INFINITY);
-                __mmask16 mk[4];
-                for (int j = 0; j < 4; j++) {
-                    int64_t left = valid - j * 16;
-                    mk[j] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1u);
-                    s[j] = _mm512_mul_ps(c[i][j], _mm512_set1_ps(scale));
-                    bm = _mm512_mask_max_ps(bm, mk[j], bm, s[j]);
-                }
-                float bmax = _mm512_reduce_max_ps(bm);
-                float mnew = bmax > m[i] ? bmax : m[i];
-                alpha[i] = mnew == m[i] ? 1.0f : expf(m[i] - mnew);
-                __m512 mv = _mm512_set1_ps(mnew);
-                __m512 sum = _mm512_setzero_ps();
-                __m512 pr[4];
-                for (int j = 0; j < 4; j++) {
-                    pr[j] = _mm512_maskz_mov_ps(mk[j], exp512(_mm512_sub_ps(s[j], mv)));
-                    sum = _mm512_add_ps(sum, pr[j]);
-                }
-                l[i] = l[i] * alpha[i] + _mm512_reduce_add_ps(sum);
-                m[i] = mnew;
-                _mm512_store_si512(pb[i], (__m512i)_mm512_cvtne2ps_pbh(pr[1], pr[0]));
-                _mm512_store_si512(pb[i] + 16, (__m512i)_mm512_cvtne2ps_pbh(pr[3], pr[2]));
+                alpha[i] = softmax_block(c[i], valid, scale, &m[i], &l[i], pb[i]);
             }
             if (maxvalid == 0) continue;
             /* PV: acc[i] = acc[i] * alpha[i] + p[i] . V[block], 64 dims at a time */
@@ -260,27 +271,9 @@ TGT_AMX static void attend_item_amx(const bf16_t *q, int64_t q_row, int64_t D, i
                     continue;
                 }
                 any = 1;
-                __m512 s[4], pr[4];
-                __mmask16 mk[4];
-                __m512 bm = _mm512_set1_ps(-INFINITY);
-                for (int j = 0; j < 4; j++) {
-                    int64_t left = valid - j * 16;
-                    mk[j] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1u);
-                    s[j] = _mm512_mul_ps(_mm512_load_ps(sc + r * KB + 16 * j), _mm512_set1_ps(scale));
-                    bm = _mm512_mask_max_ps(bm, mk[j], bm, s[j]);
-                }
-                float bmax = _mm512_reduce_max_ps(bm);
-                float mnew = bmax > m[r] ? bmax : m[r];
-                alpha[r] = mnew == m[r] ? 1.0f : expf(m[r] - mnew);
-                __m512 mv = _mm512_set1_ps(mnew), sum = _mm512_setzero_ps();
-                for (int j = 0; j < 4; j++) {
-                    pr[j] = _mm512_maskz_mov_ps(mk[j], exp512(_mm512_sub_ps(s[j], mv)));
-                    sum = _mm512_add_ps(sum, pr[j]);
-                }
-                l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
-                m[r] = mnew;
-                _mm512_store_si512(pb + r * (KB / 2), (__m512i)_mm512_cvtne2ps_pbh(pr[1], pr[0]));
-                _mm512_store_si512(pb + r * (KB / 2) + 16, (__m512i)_mm512_cvtne2ps_pbh(pr[3], pr[2]));
+                __m512 c[4];
+                for (int j = 0; j < 4; j++) c[j] = _mm512_load_ps(sc + r * KB + 16 * j);
+                alpha[r] = softmax_block(c, valid, scale, &m[r], &l[r], pb + r * (KB / 2));
             }
             if (!any) continue;
             /* P V: A = probabilities of keys 0-31 (t4) and 32-63 (t5), B = the block's value pairs */
