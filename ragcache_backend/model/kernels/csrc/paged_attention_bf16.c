@@ -178,11 +178,16 @@ static void attend_item(const bf16_t *q, int64_t q_row, int64_t D, int64_t g, in
  * where it can run), -1 only asks. Every prompt row of every call takes the same kernel, so the
  * exactness above holds on either; the two kernels' rows differ in rounding (another summation
  * order of the same bf16 products). */
+#if !defined(RC_NO_AMX) && defined(__x86_64__) && defined(__linux__) && defined(__has_include)
+#if __has_include(<amxtileintrin.h>) || __has_include(<amxintrin.h>) /* GCC >= 11, clang >= 11: AMX intrinsics */
+#define RC_HAVE_AMX 1
+#endif
+#endif
 static int amx_on = -1;
 int rc_amx(int request) {
     if (request < 0 && amx_on >= 0) return amx_on; /* every call asks: no probe then */
     int can = 0;
-#if defined(__x86_64__) && defined(__linux__)
+#ifdef RC_HAVE_AMX
     unsigned a, b, c, d;
     if (rc_supported() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 22 & 1)) /* AMX-TILE, AMX-BF16 */
         can = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
@@ -191,6 +196,7 @@ int rc_amx(int request) {
     return amx_on;
 }
 
+#ifdef RC_HAVE_AMX
 #define TGT_AMX __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl,amx-tile,amx-bf16")))
 
 /* Every tile 16 rows of 64 bytes: t0-t3 float32 sums (16 x 16); A operands (16 rows x 32 bf16) and
@@ -326,6 +332,9 @@ TGT_AMX static void attend_item_amx(const bf16_t *q, int64_t q_row, int64_t D, i
     }
     _tile_release();
 }
+#else
+#define attend_item_amx attend_item /* a compiler without AMX intrinsics: never chosen (rc_amx is 0) */
+#endif
 
 /* Pack keys [start, end) of KV head h into kp / vp (see attend_item); keys >= S are zero. */
 static void pack_keys(const bf16_t *kc, const bf16_t *vc, int64_t slot_row, const int64_t *slots, int64_t S,
