@@ -36,6 +36,23 @@ def test_bf16_rows_do_not_depend_on_how_many_rows_run_together():
     assert mismatched == []
 
 
+@pytest.mark.parametrize("shape", [(960, 576), (576, 576), (3072, 576), (576, 1536)])  # SmolLM2-135M's layer GEMMs
+def test_a_prompts_rows_round_the_same_computed_with_any_cached_prefix(shape):
+    """A prompt's suffix computed alone (a cache hit's new rows: its last call padded to 64 or 128
+    rows on AMX CPUs) gives the rows it gives inside the whole prompt, whatever the lengths."""
+    from ragcache_backend.model.kernels.linear import StepRowClasses, step_rows
+
+    g = torch.Generator().manual_seed(3)
+    lin = pack_linear((torch.randn(*shape, generator=g) * 0.03).bfloat16())
+    x = torch.randn(300, shape[1], generator=g).bfloat16()
+    for total in (20, 64, 65, 129, 300):
+        with step_rows(StepRowClasses.of([total], [False])):
+            whole = lin(x[:total])
+        for cached in sorted({0, 1, total - 64, total - 63, total - 20, total - 1} & set(range(total))):
+            with step_rows(StepRowClasses.of([total - cached], [False])):
+                assert torch.equal(lin(x[cached:total]), whole[cached:]), (total, cached)
+
+
 def test_rows_round_the_same_whatever_step_they_share():
     """A step's prompt rows and generated tokens' rows (in either order) equal the same rows computed
     in other company: a prefill alone, the prompt's last token alone (a cache hit), a decode-only
