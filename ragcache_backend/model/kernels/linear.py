@@ -259,19 +259,19 @@ def _packing_works(dtype: torch.dtype) -> bool:
 
 
 _works: dict[torch.dtype, bool] = {}
-_tails: dict[tuple[int, int, torch.dtype], int] = {}
+_tails: dict[tuple[int, int, torch.dtype, bool, int], int] = {}
 
 
 def _tail_tile(lin: Linear) -> int:
     """:data:`TAIL_TILE` if oneDNN gives ``lin``'s weight shape the same row bits in calls of that
     many rows as in :data:`ROW_TILE`-row calls (both halves of a random ``ROW_TILE``-row input, each
-    row at another offset), else :data:`ROW_TILE`; once per shape and dtype. oneDNN picks its
-    kernel and blocking by shape and thread count, not by the values, so equal bits here mean the
-    same summation order for every input."""
-    key = (*lin.weight.shape, lin.weight.dtype)
+    row at another offset), else :data:`ROW_TILE`; once per shape, dtype, bias or not and thread
+    count. oneDNN picks its kernel and blocking by those, not by the values, so equal bits here mean
+    the same summation order for every input."""
+    key = (*lin.weight.shape, lin.weight.dtype, lin.bias is not None, torch.get_num_threads())
     if key not in _tails:
         x = torch.randn(ROW_TILE, lin.weight.shape[1], generator=torch.Generator().manual_seed(0)).to(lin.weight.dtype)
-        full = lin.gemm(x)
+        full = lin.gemm(x)  # with the bias, if any: the primitive the calls use
         same = all(torch.equal(lin.gemm(x[i : i + TAIL_TILE].contiguous()), full[i : i + TAIL_TILE])
                    for i in range(0, ROW_TILE, TAIL_TILE))
         _tails[key] = TAIL_TILE if same else ROW_TILE
