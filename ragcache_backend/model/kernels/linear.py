@@ -231,7 +231,7 @@ class Linear:
         full = rows - rows % ROW_TILE
         x = x.contiguous()
         outs = [self.gemm(x[i : i + ROW_TILE]) for i in range(0, full, ROW_TILE)]
-        if full < rows:  # only the last tile is copied to pad it (padding all of x: 155 against 137 ms of 1,000 rows' GEMMs)
+        if full < rows:  # only the last tile is copied to pad it, not all of x (a time saving not shown: tile_cost.py)
             tile = self.tail_tile if rows - full <= self.tail_tile else ROW_TILE
             outs.append(self.gemm(torch.cat((x[full:], x.new_zeros(full + tile - rows, x.shape[1]))))[: rows - full])
         return outs
@@ -317,6 +317,6 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, *, per_s
         return plain
     packed = Linear(weight, bias, torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()), per_step=per_step,
                     rows_kernel=rows, rows_max=rows_max, decode_rows=decode)
-    if _AMX and weight.dtype in _REDUCED:
+    if _AMX and weight.dtype in _REDUCED and per_step:  # only a step's layer GEMMs run tiled (_by_class)
         packed.tail_tile = _tail_tile(packed)
     return packed
