@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from ragcache_backend.model.kernels import native
 from ragcache_backend.model.kernels.linear import StepRowClasses, pack_linear, step_rows
 
 torch.manual_seed(0)
@@ -22,9 +23,11 @@ def now(k):
         return lins[k](xs[k])
 
 
-def before(k):
+def before(k):  # the prompt rows' tiles joined (a prompt-only step's call), then again with the generated rows
     lin, x = lins[k], xs[k]
-    return torch.cat((lin._tiled(x[:2040].contiguous()), lin._native(x[2040:])))
+    with step_rows(StepRowClasses.of([2040], [False])):
+        prompt = lin(x[:2040])
+    return torch.cat((prompt, native.linear_rows(x[2040:], lin.weight, lin.bias)))
 
 
 for k in shapes:

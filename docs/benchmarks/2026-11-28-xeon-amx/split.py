@@ -1,3 +1,6 @@
+"""The gate/up GEMM split into 2 or 4 GEMMs by output columns (each in 128-row tiles, joined by column)
+against one, in cold 1,000-token passes, alternating (scratch script of 2026-11-28; from the repository root:
+``.venv/bin/python docs/benchmarks/2026-11-28-xeon-amx/split.py``). Times every layer GEMM by shape."""
 import os, time, sys, collections
 os.environ["HF_HUB_OFFLINE"] = "1"
 import torch
@@ -20,7 +23,7 @@ class Split:
         n = lin.weight.shape[0] // parts
         self.parts = [L.pack_linear(lin.weight[i*n:(i+1)*n].contiguous()) for i in range(parts)]
     def run(self, x):
-        return torch.cat([p._tiled(x) for p in self.parts], dim=1)
+        return torch.cat([orig_call(p, x) for p in self.parts], dim=1)  # inside the step's step_rows: 128-row tiles
 splits = {id(g): (Split(g, 2), Split(g, 4)) for g in gus}
 mode = 0
 def lc2(self, x):
