@@ -1,9 +1,11 @@
 """What a recomputed token costs against a plain prefill token (issue 24, item 4), on one machine.
 
-    .venv/bin/python benchmarks/recompute_cost.py [--context 1000] [--shares 0.15 0.3 0.5] [--repeats 7] [--json OUT]
+    .venv/bin/python benchmarks/recompute_cost.py [--dtype float32|bfloat16] [--context 1000] [--shares 0.15 0.3 0.5]
+        [--repeats 7] [--json OUT]
 
-The default model (``load_model(None, dtype="float32")``), a ``ModelRunner`` (PagedLlama), ``--threads``
-(2). One ``--context``-token context of seeded random token ids is prefilled once: a 10% lead, five
+The default model (``load_model(None, dtype=--dtype)``, float32 by default; bfloat16 takes the native
+bf16 kernels where the CPU has AVX512-BF16, and their AMX prompt attention where it has AMX), a
+``ModelRunner`` (PagedLlama), ``--threads`` (2). One ``--context``-token context of seeded random token ids is prefilled once: a 10% lead, five
 equal "chunk" ranges, a 5% tail. For every share ``p`` of the chunk tokens, ``N = p * chunk tokens``:
 
 * **(a) prefill**: the last ``N`` tokens of the context computed as an ordinary prefill over the
@@ -61,6 +63,7 @@ def scattered(ranges: list[tuple[int, int]], share: float, seed: int) -> list[in
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--context", type=int, default=1000)
     ap.add_argument("--shares", type=float, nargs="+", default=[0.15, 0.3, 0.5])
     ap.add_argument("--repeats", type=int, default=7)
@@ -72,9 +75,9 @@ def main() -> None:
     from forward_vs_vllm import machine
 
     info = machine()
-    runner = ModelRunner(load_model(None, dtype="float32"), num_device_blocks=-(-args.context // BLOCK) + 1, block_size=BLOCK)
+    runner = ModelRunner(load_model(None, dtype=args.dtype), num_device_blocks=-(-args.context // BLOCK) + 1, block_size=BLOCK)
     print(f"{info['cpu']} ({info['isa']}), {args.threads} threads, {info['date']}, load average {os.getloadavg()[0]:.2f}; "
-          f"path {runner.kernel_tag}, explicit positions on the kernel: {runner.layers.native_positions}", flush=True)
+          f"{args.dtype}, path {runner.kernel_tag}, explicit positions on the kernel: {runner.layers.native_positions}", flush=True)
     s = args.context
     blocks = tuple(range(-(-s // BLOCK)))
     toks = torch.randint(10, runner.vocab_size - 10, (s,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -115,7 +118,7 @@ def main() -> None:
               + " ms/token", flush=True)
     runner.layers.native_positions = native_ok
 
-    result = {"machine": info, "model": runner.loaded.name, "kernel_tag": runner.kernel_tag, "context": s,
+    result = {"machine": info, "model": runner.loaded.name, "dtype": args.dtype, "kernel_tag": runner.kernel_tag, "context": s,
               "threads": args.threads, "repeats": args.repeats, "cases": []}
     result["load_end"] = os.getloadavg()[0]
     print(f"\ncontext {s} tokens, chunks {ranges}; per-token ms, median (min) of {args.repeats}; "

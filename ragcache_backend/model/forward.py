@@ -131,7 +131,7 @@ class StepRows:
         decode: per sequence, whether its one new token is a generated token.
         chunks: the :class:`~ragcache_backend.model.chunk_rows.ChunkRows` of the chunk-cache sequences.
         native_positions: the native kernel also serves the sequences at explicit positions (the
-            float32 kernel: :func:`~ragcache_backend.model.kernels.native.takes_positions`); else
+            float32 and bf16 kernels: :func:`~ragcache_backend.model.kernels.native.takes_positions`); else
             their attention is the masked torch one (``ChunkRows.after_write``).
         native_batch: the native kernel's batch over the sequences it serves (None: none, or no kernel).
         native_rows: their rows in the step (None: every row is theirs).

@@ -22,8 +22,8 @@ what they implement (:func:`~ragcache_backend.model.arch.native_gaps`), the torc
 Chunk-cache sequences (Cache-Craft §3.2-3.4) hook into every layer through their
 :class:`~ragcache_backend.model.chunk_rows.ChunkRows` (statistics, deviation, rows that stop
 part-way: :meth:`~ragcache_backend.model.forward.StepRows.stop_rows`). Their rows at explicit
-positions inside the context (recomputed tokens of reused chunks) take the native float32 kernel
-with the other rows (:attr:`PagedLlama.native_positions`), else a masked torch attention.
+positions inside the context (recomputed tokens of reused chunks) take the native kernel (float32 or
+bf16) with the other rows (:attr:`PagedLlama.native_positions`), else a masked torch attention.
 """
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ class PagedLlama:
         native_attention: attention runs on the native kernel (float32 AVX2 or bf16 AVX512-BF16).
         native_fused: the row-wise steps between the GEMMs run fused too.
         native_positions: rows at explicit positions (chunk-cache recomputation) run on the native
-            attention kernel too (float32 only); settable, see the property.
+            attention kernel too; settable, see the property.
         stat_layers: layers whose attention statistics are recorded (``stat_segments``).
     """
 
@@ -225,7 +225,7 @@ class PagedLlama:
     @property
     def native_positions(self) -> bool:
         """Whether rows at explicit positions inside their context (the recomputed tokens of reused
-        chunks) run on the native attention kernel with the step's other rows (float32 kernels);
+        chunks) run on the native attention kernel with the step's other rows (float32 or bf16);
         False: a masked torch attention computes them (``ChunkRows.after_write``)."""
         return self._native_positions
 
@@ -235,10 +235,10 @@ class PagedLlama:
 
         Raises:
             ValueError: turned on where the native kernel cannot take them (no native attention, or
-                not float32).
+                a dtype whose kernel takes no positions).
         """
         if on and not (self.native_attention and native.takes_positions(self.dtype)):
-            raise ValueError("explicit positions on the native kernel need float32 native attention")
+            raise ValueError(f"explicit positions on the native kernel need native attention that takes them ({self.dtype})")
         self._native_positions = bool(on)
 
     @property

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ragcache_backend.model.kernels import apply_rope, attention, native, prefix_causal_mask, rope_cos_sin
+from ragcache_backend.model.kernels import apply_rope, attention, native, position_mask, prefix_causal_mask, rope_cos_sin
 from ragcache_backend.model.kernels.native import NativeKernelError
 
 pytestmark = pytest.mark.skipif(not native.available(torch.bfloat16, "cpu", 64),
@@ -163,6 +163,105 @@ def test_one_call_for_a_mixed_step_equals_one_call_per_sequence():
         native.attention_batch(contexts[:1], [2], [True])  # a generated token comes one at a time
 
 
+def _scattered(context: int, count: int, seed: int, must: tuple[int, ...] = ()) -> torch.Tensor:
+    """Ascending positions in ``[0, context)``: ``must`` (those inside), then random others up to ``count``."""
+    g = torch.Generator().manual_seed(seed)
+    picked = {p for p in must if p < context}
+    for p in torch.randperm(context, generator=g).tolist():
+        if len(picked) >= count:
+            break
+        picked.add(p)
+    return torch.tensor(sorted(picked), dtype=torch.int64)
+
+
+_EDGES = (0, 1, 15, 16, 63, 64, 65, 127, 128, 191, 192, 255, 256, 511, 512)  # both sides of 64-key blocks
+_KERNELS = (True, False) if _AMX else (False,)  # prompt attention on AMX tiles, on AVX512-BF16
+
+
+@pytest.fixture(params=_KERNELS, ids=lambda amx: "amx" if amx else "avx512bf16")
+def prompt_kernel(request):
+    """Each prompt kernel this CPU runs, switched on for the test (and back after)."""
+    before = native.bf16_amx()
+    assert native.bf16_amx(request.param) == request.param
+    yield request.param
+    native.bf16_amx(before)
+
+
+@pytest.mark.parametrize("context,new,hq,hkv,d", [(1, 1, 9, 3, 64), (64, 64, 9, 3, 64), (65, 5, 9, 3, 64), (200, 17, 4, 4, 64),
+                                                    (300, 45, 9, 3, 64), (513, 40, 8, 2, 128), (1000, 150, 9, 3, 64),
+                                                    (260, 260, 6, 3, 64), (90, 20, 8, 1, 256)])
+def test_paged_attention_at_explicit_positions_matches_the_masked_reference(context, new, hq, hkv, d, prompt_kernel):
+    """Rows at scattered positions inside the context (the recomputed tokens of reused chunks; rows
+    on both sides of 64-key blocks and 16-row items among them) attend to keys ``0 .. position``,
+    as close to the float32 reference as PyTorch's own bf16 attention."""
+    kc, vc = _arena(2048, hkv, d, seed=context + new)
+    g = torch.Generator().manual_seed(12)
+    slots = torch.randperm(2048, generator=g)[:context]
+    pos = _scattered(context, new, seed=context, must=_EDGES + (context - 1,))
+    new = pos.numel()  # the block edges inside the context come on top
+    q = torch.randn(new, hq + 2 * hkv, d, generator=g).bfloat16()[:, :hq]  # strided rows, as the runner passes them
+    out = native.paged_attention(q, kc, vc, native.attention_batch([slots], [new], [False], [pos]), d**-0.5)
+    mask = position_mask(pos, context)
+    ref = attention(q.float(), kc[slots].float(), vc[slots].float(), scale=d**-0.5, mask=mask)
+    torch_err = (attention(q, kc[slots], vc[slots], scale=d**-0.5, mask=mask).float() - ref).abs()
+    err = (out.float() - ref).abs()
+    assert out.dtype == torch.bfloat16 and err.max().item() < 2e-2
+    assert err.mean() <= 1.5 * torch_err.mean() + 1e-4
+
+
+def test_a_row_at_an_explicit_position_is_the_ordinary_row_at_that_position(prompt_kernel):
+    """Row independence carries over: a row at position p gives the bits of row p of a cold prefill
+    over the same keys, whichever other rows share the call (what makes a recomputed token on the
+    kernel the token a full prefill computes, given the same keys)."""
+    kc, vc = _arena(2048, 3, 64, seed=3)
+    g = torch.Generator().manual_seed(4)
+    slots = torch.randperm(2048, generator=g)[:900]
+    q = torch.randn(900, 9, 64, generator=g).bfloat16()
+    cold = native.paged_prefill_attention(q, kc, vc, slots, 0, 0.125)
+    for count, seed in ((1, 1), (16, 5), (37, 2), (300, 3)):
+        pos = _scattered(900, count, seed, must=(15, 16, 63, 64, 899))
+        out = native.paged_attention(q[pos], kc, vc, native.attention_batch([slots], [pos.numel()], [False], [pos]), 0.125)
+        assert torch.equal(out, cold[pos]), count
+
+
+def test_explicit_positions_in_a_mixed_step_equal_each_sequence_alone(prompt_kernel):
+    """A call with sequences at explicit positions next to ordinary prompts and generated tokens
+    gives every row the bits it has alone."""
+    kc, vc = _arena(8192, 3, 64, seed=13)
+    g = torch.Generator().manual_seed(14)
+    perm = torch.randperm(8192, generator=g)
+    specs = [(400, _scattered(400, 60, 5)), (300, None), (1200, None), (129, _scattered(129, 3, 6, must=(64,))), (70, None)]
+    new = [p.numel() if p is not None else n for (_, p), n in zip(specs, (0, 25, 1, 0, 70))]
+    decode = [False, False, True, False, False]
+    contexts, at = [], 0
+    for s, _ in specs:
+        contexts.append(perm[at : at + s])
+        at += s
+    q = torch.randn(sum(new), 9, 64, generator=g).bfloat16()
+    together = native.paged_attention(q, kc, vc, native.attention_batch(contexts, new, decode, [p for _, p in specs]), 0.125)
+    row = 0
+    for ctx, (_, pos), n, dec in zip(contexts, specs, new, decode):
+        alone = native.paged_attention(q[row : row + n], kc, vc, native.attention_batch([ctx], [n], [dec], [pos]), 0.125)
+        assert torch.equal(together[row : row + n], alone)
+        row += n
+
+
+def test_explicit_positions_the_kernel_is_handed_are_checked_by_the_kernel():
+    """A batch built around :func:`attention_batch`'s checks fails cleanly in the C kernel (code 1),
+    never reads outside the context."""
+    kc, vc = _arena(64, 3, 64, seed=0)
+    q, ctx = torch.randn(3, 9, 64).bfloat16(), torch.arange(20)
+    good = native.attention_batch([ctx], [3], [False], [torch.tensor([1, 5, 9])])
+    native.paged_attention(q, kc, vc, good, 0.125)
+    for bad in ([1, 5, 20], [9, 5, 1], [-3, 5, 9], [1, 5, 1 << 40], [1, 5, 5]):
+        forged = native.AttentionBatch(good.slots, good.ctx_off, good.q_off, good.decode, torch.tensor(bad))
+        with pytest.raises(NativeKernelError, match="code 1"):
+            native.paged_attention(q, kc, vc, forged, 0.125)
+    with pytest.raises(NativeKernelError):  # one position per row
+        native.paged_attention(q[:2], kc, vc, native.AttentionBatch(good.slots, good.ctx_off, torch.tensor([0, 2]),
+                                                                     good.decode, torch.tensor([1, 5, 9])), 0.125)
+
+
 def test_rope_write_matches_apply_rope_and_writes_the_arena():
     n, hq, hkv, d = 37, 9, 3, 64
     g = torch.Generator().manual_seed(4)
@@ -269,6 +368,63 @@ def test_runner_native_path_is_exact_across_the_cache_and_close_to_transformers(
         ref = tiny_bf16_llama.model(torch.tensor([toks])).logits[0].float()
     assert (cold - ref).abs().max().item() < 0.1 * ref.abs().max().item()
     assert (cold.argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.95
+
+
+def test_a_bf16_chunk_reuse_step_runs_its_explicit_positions_on_the_kernel(tiny_bf16_llama, monkeypatch):
+    """Chunk reuse in bf16 (Cache-Craft's recomputation): rows at explicit positions take the native
+    kernel, not the masked torch attention; recomputing every token of a moved chunk gives the cold
+    prefill's logits bit for bit; a scattered recompute agrees with the torch path within bf16's error,
+    and its attention statistics and guard mass come from the native statistics kernel as well."""
+    import ragcache_backend.model.chunk_rows as chunk_rows
+    import ragcache_backend.model.llama as llama
+    from ragcache_backend.model.runner import ForwardInput, KVRun, ModelRunner
+
+    runner = ModelRunner(copy.deepcopy(tiny_bf16_llama), num_device_blocks=130, block_size=16)
+    assert runner.layers.native_positions
+    g = torch.Generator().manual_seed(21)
+    toks = tuple(torch.randint(0, 512, (150,), generator=g).tolist())
+    other = tuple(torch.randint(0, 512, (17,), generator=g).tolist())
+    at = iter(range(0, 130, 10))  # a fresh 10-block range per run
+
+    def run(n: int) -> KVRun:
+        first = next(at)
+        return KVRun(tuple(range(first, first + -(-n // 16))), 0, n)
+
+    cold = runner.forward([ForwardInput(toks, (), (run(150),))], all_logits=True)[0]
+
+    def moved() -> tuple[KVRun, ...]:
+        """toks[:40] computed in place; toks[40:100] computed after 17 other tokens, moved to position 40."""
+        head, elsewhere, chunk, rest = run(40), run(17 + 60), run(60), run(50)
+        runner.forward([ForwardInput(toks[:40], (), (head,))])
+        runner.forward([ForwardInput(other + toks[40:100], (), (elsewhere,))])
+        src = KVRun(elsewhere.blocks, 17, 60)  # the chunk's 60 tokens inside that run
+        runner.copy_rerotated(src, chunk, 40 - 17)
+        return head, chunk, rest
+
+    calls = []
+    real = llama.attention
+    monkeypatch.setattr(llama, "attention", lambda *a, **kw: calls.append(kw.get("mask") is not None) or real(*a, **kw))
+    ref_mass = chunk_rows.segment_attention_mass
+    monkeypatch.setattr(chunk_rows, "segment_attention_mass", lambda *a, **kw: calls.append(True) or ref_mass(*a, **kw))
+    every = runner.forward([ForwardInput(toks[40:], moved(), (), positions=tuple(range(40, 150)))], all_logits=True)[0]
+    assert not any(calls) and torch.equal(every, cold[40:])
+    rows = sorted(set(range(40, 100, 4)) | set(range(100, 150)))
+    picked = tuple(toks[p] for p in rows)
+    stats = dict(stat_segments=(40, 60, 50), guard_segments=(40, 60, 50), guard=True)
+    step = runner.forward_step([ForwardInput(picked, moved(), (), positions=tuple(rows), **stats)], all_logits=True)
+    assert not any(calls)
+    fast = step.logits[0]
+    mass = torch.tensor(step.attention[0].mass)
+    assert mass.shape == (len(rows), 3) and torch.allclose(mass.sum(-1), torch.ones(len(rows)), atol=1e-3)
+    assert step.last_mass[0] is not None and abs(sum(step.last_mass[0]) - 1.0) < 1e-3
+    runner.layers.native_positions = False
+    try:
+        slow = runner.forward([ForwardInput(picked, moved(), (), positions=tuple(rows))], all_logits=True)[0]
+    finally:
+        runner.layers.native_positions = True
+    assert any(calls)
+    assert (fast - slow).abs().max().item() < 0.1 * slow.abs().max().item()
+    assert (fast.argmax(-1) == slow.argmax(-1)).float().mean().item() > 0.9
 
 
 def test_linear_rows_bf16_rounds_once_and_a_row_never_depends_on_the_others():

@@ -66,16 +66,19 @@ def _offsets(lengths: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("context,rows,lengths,hkv,d,explicit", [
     (1, 1, [1], 3, 64, False), (47, 15, [12, 20, 15], 2, 16, False), (2000, 2000, [200] * 10, 3, 64, False),
     (777, 60, [100, 1, 600, 76], 3, 64, True), (300, 299, [299, 1], 1, 128, True), (130, 7, [64, 66], 4, 32, True)])
-def test_segment_mass_matches_the_torch_reference(context, rows, lengths, hkv, d, explicit):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_segment_mass_matches_the_torch_reference(context, rows, lengths, hkv, d, explicit, dtype):
     """Cache-Craft eq. 3-4 statistics read from the arena in place equal the reference (keys
     gathered, softmax over a masked [T, S] score matrix, one-hot segment sums), for strided query
     heads (one per KV group, as the runner passes them), rows at the end of the context or at
-    explicit scattered positions, and segments of 1 token up to whole contexts."""
+    explicit scattered positions, and segments of 1 token up to whole contexts; a bf16 arena's
+    too (both compute in float32)."""
     kc, _ = _arena(4096, hkv, d, seed=context + rows)
+    kc = kc.to(dtype)
     g = torch.Generator().manual_seed(3)
     slots = torch.randperm(4096, generator=g)[:context]
     group = 3
-    q = torch.randn(rows, hkv * group, d, generator=g)[:, ::group]
+    q = torch.randn(rows, hkv * group, d, generator=g).to(dtype)[:, ::group]
     pos = (torch.sort(torch.randperm(context, generator=g)[:rows]).values if explicit
            else torch.arange(context - rows, context))
     segments = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
@@ -99,6 +102,7 @@ def test_segment_mass_refuses_what_would_read_outside_its_inputs():
         (q, kc, torch.tensor([0, 1, 64]), torch.tensor([0, 1, 2, 2]), _offsets([3])),  # a slot outside the arena
         (q, kc[:, :2], slots, pos, _offsets([5, 5])),  # heads that disagree
         (q.double(), kc, slots, pos, _offsets([5, 5])),  # not float32
+        (q.bfloat16(), kc, slots, pos, _offsets([5, 5])),  # queries and arena of different dtypes
         (q, kc, slots, pos.int(), _offsets([5, 5])),  # int32 positions
     ]
     for args in bad:
@@ -273,9 +277,8 @@ def test_bad_explicit_positions_raise_a_typed_error():
     with pytest.raises(NativeKernelError):  # one position per row
         native.paged_attention(q[:2], kc, vc, native.AttentionBatch(good.slots, good.ctx_off, torch.tensor([0, 2]),
                                                                      good.decode, torch.tensor([1, 5, 9])), 0.125)
-    with pytest.raises(NativeKernelError):  # the bf16 kernel takes no positions
-        native.paged_attention(q.bfloat16(), kc.bfloat16(), vc.bfloat16(), good, 0.125)
-    assert native.takes_positions(torch.float32) and not native.takes_positions(torch.bfloat16)
+    assert native.takes_positions(torch.float32) and native.takes_positions(torch.bfloat16)
+    assert not native.takes_positions(torch.float16)
 
 
 def test_rope_write_matches_apply_rope_and_writes_the_arena():

@@ -85,9 +85,8 @@ def _build(folder: Path | None = None) -> tuple[ctypes.CDLL | None, str]:
         getattr(lib, f"{prefix}_supported").restype = ctypes.c_int
         attn = getattr(lib, f"{prefix}_paged_attention")
         attn.restype = ctypes.c_int
-        # the float32 kernel also takes explicit row positions (after ``decode``)
-        attn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, *((ptr,) if prefix == "rc32" else ()), i64, i64, i64, i64,
-                         f32, ptr, nt]
+        # explicit row positions (or NULL) after ``decode``
+        attn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32, ptr, nt]
         rope = getattr(lib, f"{prefix}_rope_write")
         rope.restype = None
         rope.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, nt]

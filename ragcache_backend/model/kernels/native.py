@@ -118,8 +118,10 @@ def available(dtype: torch.dtype, device: torch.device | str, head_dim: int, gro
 
 def takes_positions(dtype: torch.dtype) -> bool:
     """Whether ``dtype``'s attention kernel takes rows at explicit positions inside their context
-    (:attr:`AttentionBatch.q_pos`): float32 only; the bf16 kernel computes the last ``T`` positions."""
-    return dtype == torch.float32
+    (:attr:`AttentionBatch.q_pos`): the float32 and the bf16 kernels both do (the bf16 one since
+    2026-11-28); a row at an explicit position gets the bits of the row at that position of an
+    ordinary prompt over the same keys."""
+    return dtype in (torch.float32, torch.bfloat16)
 
 
 @dataclass(slots=True, frozen=True)
@@ -135,8 +137,7 @@ class AttentionBatch:
         decode: ``[B]`` uint8, 1 where the one new token is a generated token (decode kernel).
         q_pos: None (every sequence's rows are the last ``T_b`` positions of its context), or ``[N]``
             int64 position of every row in its context (strictly ascending within a sequence, ``<
-            S_b``; row ``r`` attends to context positions ``0 .. q_pos[r]``). float32 kernel only
-            (:func:`takes_positions`).
+            S_b``; row ``r`` attends to context positions ``0 .. q_pos[r]``; :func:`takes_positions`).
     """
 
     slots: torch.Tensor
@@ -161,7 +162,7 @@ def attention_batch(contexts: list[torch.Tensor], num_new: list[int], decode: li
         positions: None, or per sequence None (its rows are the last ``T_b`` positions) or ``[T_b]``
             int64 positions of its rows inside its context (chunk-cache recomputation; prompt
             sequences only, strictly ascending, in ``[0, S_b)``). Where one is given the batch
-            carries :attr:`AttentionBatch.q_pos` (float32 kernel only).
+            carries :attr:`AttentionBatch.q_pos`.
 
     Raises:
         NativeKernelError: lengths disagree, a sequence has no new token, more new tokens than
@@ -215,7 +216,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         k_cache, v_cache: one layer of the arena, ``[slots, Hkv, D]``, q's dtype, contiguous; the new
             tokens' K/V already written. Slots in ``batch`` must lie inside it.
         batch: the step's sequences (:func:`attention_batch`); rows at explicit positions
-            (``batch.q_pos``) attend to their context up to their position (float32 only).
+            (``batch.q_pos``) attend to their context up to their position.
         scale: softmax scale.
         out: optional contiguous ``[N, Hq, D]`` tensor of q's dtype to write into.
 
@@ -238,16 +239,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise NativeKernelError(f"paged_attention: bad arguments q={tuple(q.shape)}/{q.dtype}/{q.stride()}, "
                                 f"kv={tuple(k_cache.shape)}/{k_cache.dtype}, rows={batch.num_rows}")
     if batch.q_pos is not None and (not takes_positions(q.dtype) or batch.q_pos.shape != (n,)):
-        raise NativeKernelError(f"paged_attention: explicit row positions need the float32 kernel and one per row "
+        raise NativeKernelError(f"paged_attention: explicit row positions need a kernel that takes them and one per row "
                                 f"(q {q.dtype}, {n} rows, {tuple(batch.q_pos.shape)} positions)")
     if out is None:
         out = torch.empty((n, hq, d), dtype=q.dtype)
     elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
         raise NativeKernelError(f"paged_attention: bad out {tuple(out.shape)}/{out.dtype}")
-    # float32: the rows' positions (NULL: the last T of each context); the bf16 kernel has no such argument
-    qpos = ((None if batch.q_pos is None else batch.q_pos.data_ptr()),) if takes_positions(q.dtype) else ()
+    qpos = None if batch.q_pos is None else batch.q_pos.data_ptr()  # NULL: the last T of each context
     rc = fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), batch.slots.data_ptr(),
-            batch.ctx_off.data_ptr(), batch.q_off.data_ptr(), batch.decode.data_ptr(), *qpos, len(batch.decode), hq,
+            batch.ctx_off.data_ptr(), batch.q_off.data_ptr(), batch.decode.data_ptr(), qpos, len(batch.decode), hq,
             k_cache.shape[1], d, scale, out.data_ptr(), torch.get_num_threads())
     if rc != 0:
         raise NativeKernelError(f"paged_attention failed with code {rc} (1: arguments, 2: memory)")
@@ -255,9 +255,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def segment_mass_available(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether :func:`segment_mass` can run: float32 queries and arena on the CPU, a head size the
-    float32 kernels tile, the float32 kernels available here."""
-    return (q.dtype == torch.float32 and k_cache.dtype == torch.float32 and q.device.type == "cpu"
+    """Whether :func:`segment_mass` can run: float32 or bf16 queries and arena (the same dtype) on
+    the CPU, a head size the float32 kernels tile, the float32 kernels available here."""
+    return (q.dtype in (torch.float32, torch.bfloat16) and k_cache.dtype == q.dtype and q.device.type == "cpu"
             and k_cache.device.type == "cpu" and q.shape[-1] % _HEAD_MULTIPLE[torch.float32] == 0
             and _kernel(torch.float32, "paged_attention") is not None)
 
@@ -268,13 +268,15 @@ def segment_mass(q: torch.Tensor, k_cache: torch.Tensor, slots: torch.Tensor, po
     read from the arena in place: what :func:`~ragcache_backend.model.kernels.attention.segment_attention_mass`
     computes (same definition, float32 rounding of another summation order), ~7x faster on a
     2-core AVX2 CPU for a 2,000-token prompt (8.9 against 60.8 ms; it does no gather, no ``[T, S]``
-    mask and no one-hot product).
+    mask and no one-hot product). A bf16 arena's context keys are gathered into float32 first (the
+    float32 kernel runs on every CPU with the bf16 kernels), the queries converted: the reference's
+    definition, which computes in float32 as well.
 
     Args:
-        q: ``[T, H, D]`` float32 queries (RoPE applied), one query head per KV head (query head
-            ``h`` reads KV head ``h``); rows and heads may be strided, each head's ``D`` values
+        q: ``[T, H, D]`` float32 or bf16 queries (RoPE applied), one query head per KV head (query
+            head ``h`` reads KV head ``h``); rows and heads may be strided, each head's ``D`` values
             contiguous.
-        k_cache: one layer of the arena, ``[slots, H, D]`` float32, contiguous.
+        k_cache: one layer of the arena, ``[slots, H, D]`` of q's dtype, contiguous.
         slots: ``[S]`` int64 arena slots of the context, in position order.
         positions: ``[T]`` int64 position of each row in the context (it attends to keys ``0 ..
             pos``), in ``[0, S)``.
@@ -300,6 +302,8 @@ def segment_mass(q: torch.Tensor, k_cache: torch.Tensor, slots: torch.Tensor, po
            f"offsets={tuple(segment_offsets.shape)}/{segment_offsets.dtype}")
     slots, positions, offsets = (x.cpu().contiguous() for x in (slots, positions, segment_offsets))
     _check(int(slots.min()) >= 0 and int(slots.max()) < k_cache.shape[0], "segment_mass: slots outside the arena")
+    if q.dtype == torch.bfloat16:  # the float32 kernel over the context's keys, gathered and converted
+        q, k_cache, slots = q.float(), k_cache.index_select(0, slots).float(), torch.arange(slots.numel())
     out = torch.empty((t, h, nseg), dtype=torch.float32)
     rc = library.load().rc32_segment_mass(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), slots.data_ptr(),
                                       slots.numel(), positions.data_ptr(), t, h, d, offsets.data_ptr(), nseg, scale,

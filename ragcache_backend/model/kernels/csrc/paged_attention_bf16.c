@@ -3,7 +3,9 @@
  *
  * Prompt tokens (attend_item) compute, for T new queries at absolute positions P .. P+T-1 (GQA: query head hq reads KV head
  * hq / g), causal attention over context slots[0 .. P+T-1] read straight from the KV arena (no
- * gather, no concatenation): out[t, hq] = softmax(scale * q[t, hq] . K[0..P+t]^T) V[0..P+t].
+ * gather, no concatenation): out[t, hq] = softmax(scale * q[t, hq] . K[0..P+t]^T) V[0..P+t]; or, for
+ * rows at explicit positions p_t inside the context (chunk-cache recomputation: ascending, < S;
+ * qpos), over K[0..p_t], V[0..p_t].
  *
  * Arithmetic: QK^T and PV with VDPBF16PS (bf16 pairs, float32 accumulation), or on CPUs with AMX
  * with TDPBF16PS on tiles of 16 query rows (attend_item_amx, rc_amx); online softmax in
@@ -16,6 +18,8 @@
  * probabilities exactly 0), (3) rows are only tiled side by side, never reduced together. So a
  * prompt's attention output is the same whether its prefix came from the cache (small T, large P)
  * or was computed in the same call (P = 0): the reason this kernel exists (bf16 cache exactness).
+ * A row at an explicit position is computed exactly as the row at that position of an ordinary
+ * prompt over the same keys (its limit is all that differs between the two).
  *
  * Generated tokens (rc_decode_chunk, rc_decode_merge) read the arena without packing and keep float32
  * probabilities, in chunks of DECODE_CHUNK keys fixed by position, each chunk every KV head, merged
@@ -84,13 +88,13 @@ TGT_BF16 __attribute__((always_inline)) static inline float softmax_block(const 
     return alpha;
 }
 
-/* One work item: query positions [t0, t1) of KV head h. kp: packed keys of this head,
- * [S_pad/16][D/2][16] uint32 (bf16 pairs); vp: packed values, [S_pad/2][D] uint32 (bf16 pairs of
- * consecutive keys). */
+/* One work item: query rows [t0, t1) of KV head h, row t at position P + t, or qpos[t] (qpos: the
+ * sequence's row positions, NULL: the last T). kp: packed keys of this head, [S_pad/16][D/2][16]
+ * uint32 (bf16 pairs); vp: packed values, [S_pad/2][D] uint32 (bf16 pairs of consecutive keys). */
 __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl")))
 static void attend_item(const bf16_t *q, int64_t q_row, int64_t D, int64_t g, int64_t h,
-                        int64_t t0, int64_t t1, int64_t P, const uint32_t *kp, const uint32_t *vp,
-                        float scale, bf16_t *out, int64_t out_row) {
+                        int64_t t0, int64_t t1, int64_t P, const int64_t *qpos, const uint32_t *kp,
+                        const uint32_t *vp, float scale, bf16_t *out, int64_t out_row) {
     const int64_t nvec = (t1 - t0) * g;
     const int64_t DP = D / 2;
     float acc[QT][256] __attribute__((aligned(64)));
@@ -104,7 +108,7 @@ static void attend_item(const bf16_t *q, int64_t q_row, int64_t D, int64_t g, in
             int64_t v = v0 + i < nvec ? v0 + i : nvec - 1; /* pad a short tile with its last row */
             tpos[i] = t0 + v / g;
             head[i] = h * g + v % g;
-            lim[i] = P + tpos[i];
+            lim[i] = qpos ? qpos[tpos[i]] : P + tpos[i];
             if (lim[i] > maxlim) maxlim = lim[i];
             qv[i] = (const uint32_t *)(q + tpos[i] * q_row + head[i] * D);
             m[i] = -INFINITY;
@@ -226,9 +230,12 @@ TGT_AMX static void amx_configure(void) {
  * depends on its own query, position and keys only: TDPBF16PS computes each output row from its
  * own A row, and the rest is per row. */
 TGT_AMX static void attend_item_amx(const bf16_t *q, int64_t q_row, int64_t D, int64_t g, int64_t h,
-                                    int64_t t0, int64_t t1, int64_t P, const uint32_t *kp, const uint32_t *vp,
-                                    float scale, bf16_t *out, int64_t out_row) {
-    const int64_t n = t1 - t0, DP = D / 2, nblocks = (P + t1 - 1) / KB + 1;
+                                    int64_t t0, int64_t t1, int64_t P, const int64_t *qpos, const uint32_t *kp,
+                                    const uint32_t *vp, float scale, bf16_t *out, int64_t out_row) {
+    const int64_t n = t1 - t0, DP = D / 2;
+    int64_t lim[QPOS];
+    for (int64_t r = 0; r < QPOS; r++) lim[r] = r < n ? (qpos ? qpos[t0 + r] : P + t0 + r) : -1;
+    const int64_t nblocks = lim[n - 1] / KB + 1; /* positions ascend: the item's last row reads the most keys */
     bf16_t qb[QPOS * 256] __attribute__((aligned(64)));
     float sc[QPOS * KB] __attribute__((aligned(64)));
     uint32_t pb[QPOS * KB / 2] __attribute__((aligned(64)));
@@ -269,7 +276,7 @@ TGT_AMX static void attend_item_amx(const bf16_t *q, int64_t q_row, int64_t D, i
             _tile_stored(3, sc + 48, KB * sizeof(float));
             int any = 0;
             for (int64_t r = 0; r < QPOS; r++) {
-                int64_t valid = P + t0 + r - kb * KB + 1;
+                int64_t valid = lim[r] - kb * KB + 1;
                 if (valid > KB) valid = KB;
                 live[r] = r < n && valid > 0;
                 if (!live[r]) { /* a missing row, or past this row's causal limit: untouched */
@@ -524,9 +531,11 @@ typedef struct {
  *   q_off: [B+1] row offsets (sequence b has T_b = q_off[b+1] - q_off[b] new tokens at the end of
  *     its context, positions P_b .. P_b + T_b - 1 with P_b = S_b - T_b);
  *   decode: [B] 1 where the sequence's one new token is a generated one;
+ *   qpos: NULL (every row at its place in the last T_b positions), or [N] the position of every row
+ *     in its context: strictly ascending within a sequence, in [0, S_b); a decode row's is S_b - 1;
  *   out: [N, Hq, D] contiguous. */
 int rc_paged_attention(const bf16_t *q, int64_t q_row, const bf16_t *kc, const bf16_t *vc, const int64_t *slots,
-                       const int64_t *ctx_off, const int64_t *q_off, const uint8_t *decode, int64_t B, int64_t Hq,
+                       const int64_t *ctx_off, const int64_t *q_off, const uint8_t *decode, const int64_t *qpos, int64_t B, int64_t Hq,
                        int64_t Hkv, int64_t D, float scale, bf16_t *out, int nthreads) {
     if (B < 1 || Hkv < 1 || Hq % Hkv != 0 || D % 64 != 0 || D > 256 || nthreads < 1 || Hq / Hkv > 8) return 1;
     const int64_t g = Hq / Hkv;
@@ -535,6 +544,12 @@ int rc_paged_attention(const bf16_t *q, int64_t q_row, const bf16_t *kc, const b
     for (int64_t b = 0; b < B; b++) {
         int64_t T = q_off[b + 1] - q_off[b], S = ctx_off[b + 1] - ctx_off[b];
         if (T < 1 || S < T || (decode[b] && T != 1)) return 1;
+        if (qpos) { /* explicit positions: checked here, never trusted inside the kernel */
+            const int64_t *p = qpos + q_off[b];
+            for (int64_t t = 0; t < T; t++)
+                if (p[t] < 0 || p[t] >= S || (t > 0 && p[t] <= p[t - 1])) return 1;
+            if (decode[b] && p[0] != S - 1) return 1;
+        }
         if (decode[b]) {
             const int64_t nc = (S + DECODE_CHUNK - 1) / DECODE_CHUNK;
             nitems += nc;
@@ -598,7 +613,8 @@ int rc_paged_attention(const bf16_t *q, int64_t q_row, const bf16_t *kc, const b
                 int64_t S_pad = (S + KB - 1) / KB * KB;
                 const uint32_t *kp = pack + pack_at[it.seq] + it.h * S_pad * D / 2;
                 const uint32_t *vp = pack + pack_at[it.seq] + (Hkv + it.h) * S_pad * D / 2;
-                (amx ? attend_item_amx : attend_item)(qs, q_row, D, g, it.h, it.t0, it.t1, S - T, kp, vp, scale, os, Hq * D);
+                (amx ? attend_item_amx : attend_item)(qs, q_row, D, g, it.h, it.t0, it.t1, S - T,
+                                                     qpos ? qpos + q_off[it.seq] : NULL, kp, vp, scale, os, Hq * D);
             }
         }
 #pragma omp for schedule(static)
