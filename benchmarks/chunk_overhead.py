@@ -1,9 +1,9 @@
 """What the chunk modes cost and save per request, against the knowledge tree alone, in one run.
 
-    .venv/bin/python benchmarks/chunk_overhead.py [--prompts 12] [--alpha 2] [--json OUT]
+    .venv/bin/python benchmarks/chunk_overhead.py [--prompts 12] [--alpha 2] [--dtype float32|bfloat16] [--json OUT]
 
 Prompts: paragraphs of the Python FAQ ("programming"), five per prompt, with a FAQ question first
-(LangChain's stock question-first layout), fp32, ``max_tokens=1`` (TTFT is the prefill).
+(LangChain's stock question-first layout), ``--dtype`` (float32), ``max_tokens=1`` (TTFT is the prefill).
 
 * **Miss**: the cache is emptied before each request, which then runs with ``reuse="exact"``, with
   ``reuse="auto"`` and with ``reuse="auto"`` whose attention statistics come from the torch reference
@@ -66,6 +66,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--alpha", type=float, default=None, help="chunk_alpha (default: the engine's)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -76,10 +77,10 @@ def main() -> None:
     paras = [p for p in text.split("\n\n") if len(p) > 400]
     questions = faq_questions()
     rng = random.Random(args.seed)
-    cfg = EngineConfig(dtype="float32", threads=args.threads, device_budget_bytes=512 * MiB, host_budget_bytes=1024 * MiB)
+    cfg = EngineConfig(dtype=args.dtype, threads=args.threads, device_budget_bytes=512 * MiB, host_budget_bytes=1024 * MiB)
     if args.alpha is not None:
         cfg = cfg.model_copy(update={"chunk_alpha": args.alpha})
-    engine = RAGCacheEngine(cfg, loaded=load_model(None, dtype="float32"))
+    engine = RAGCacheEngine(cfg, loaded=load_model(None, dtype=args.dtype))
     one = SamplingParams(max_tokens=1)
 
     miss: dict[str, list[float]] = {"exact": [], "auto": [], TORCH_STATS: []}
@@ -120,7 +121,7 @@ def main() -> None:
 
     mean = statistics.mean
     report = {
-        "machine": machine(), "chunk_alpha": cfg.chunk_alpha, "prompts": args.prompts,
+        "machine": machine(), "dtype": args.dtype, "chunk_alpha": cfg.chunk_alpha, "prompts": args.prompts,
         "miss": {"ttft_exact_s": mean(miss["exact"]), "ttft_auto_s": mean(miss["auto"]),
                  "auto_over_exact": mean(miss["auto"]) / mean(miss["exact"]),
                  "ttft_auto_torch_statistics_s": mean(miss[TORCH_STATS]),

@@ -262,6 +262,58 @@ def test_explicit_positions_the_kernel_is_handed_are_checked_by_the_kernel():
                                                                      good.decode, torch.tensor([1, 5, 9])), 0.125)
 
 
+@pytest.mark.skipif(not _AMX, reason="our AMX GEMM needs a CPU with AMX-BF16 (and Linux's tile state)")
+@pytest.mark.parametrize("n,k,bias", [(32, 32, False), (960, 576, True), (3072, 576, False), (576, 1536, False), (96, 64, True)])
+def test_amx_linear_rows_are_their_own_whatever_the_call(n, k, bias):
+    """Our AMX GEMM: float32 sums of exact bf16 products, the bias, one bf16 rounding (as close to
+    the float32 product as oneDNN's bf16 GEMM); a row's bits the same in a call of any row count
+    (1, 31, 33, 128, 300), beside any rows, from a strided input; the LM-head-like bias in float32."""
+    from ragcache_backend.model.kernels.linear import pack_linear
+
+    g = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    aw = native.amx_pack(w, b)
+    x = torch.randn(300, 2 * k, generator=g).bfloat16()[:, :k]  # strided rows
+    y = native.amx_linear(x, aw)
+    ref = x.float() @ w.float().t() + (b.float() if bias else 0)
+    onednn = pack_linear(w, b, per_step=False).gemm(x.contiguous()).float()
+    err, err_onednn = (y.float() - ref).abs(), (onednn - ref).abs()
+    assert y.shape == (300, n) and y.dtype == torch.bfloat16
+    assert err.max().item() <= 1.01 * err_onednn.max().item() + 1e-6 and err.mean() <= 1.1 * err_onednn.mean() + 1e-6
+    for a, z in ((0, 1), (5, 36), (40, 73), (100, 228), (299, 300), (0, 300)):
+        assert torch.equal(native.amx_linear(x[a:z].contiguous(), aw), y[a:z]), (a, z)
+
+
+@pytest.mark.skipif(not _AMX, reason="our AMX GEMM needs a CPU with AMX-BF16 (and Linux's tile state)")
+def test_amx_linear_rejects_what_it_cannot_run():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 64, generator=g).bfloat16()
+    assert not native.amx_linear_available(w[:48]) and not native.amx_linear_available(w[:, :40])
+    assert not native.amx_linear_available(w.float())
+    with pytest.raises(NativeKernelError):
+        native.amx_pack(w[:, :40])
+    with pytest.raises(NativeKernelError):
+        native.amx_pack(w, torch.zeros(32))
+    aw = native.amx_pack(w)
+    with pytest.raises(NativeKernelError):
+        native.amx_linear(torch.randn(3, 32).bfloat16(), aw)  # input size
+    with pytest.raises(NativeKernelError):
+        native.amx_linear(torch.randn(3, 64), aw)  # float32
+    with pytest.raises(NativeKernelError):
+        native.amx_linear(torch.randn(0, 64).bfloat16(), aw)  # no rows
+    # a layer GEMM packed on AMX takes it; the switch off (RAGCACHE_AMX=0's) keeps oneDNN's 128-row calls
+    from ragcache_backend.model.kernels.linear import pack_linear
+
+    assert pack_linear(w, per_step=True).amx is not None and pack_linear(w, per_step=False).amx is None
+    before = native.bf16_amx()
+    try:
+        native.bf16_amx(False)
+        assert pack_linear(w, per_step=True).amx is None
+    finally:
+        native.bf16_amx(before)
+
+
 def test_rope_write_matches_apply_rope_and_writes_the_arena():
     n, hq, hkv, d = 37, 9, 3, 64
     g = torch.Generator().manual_seed(4)

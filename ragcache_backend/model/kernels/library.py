@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 #: the kernels' C files, compiled together into one library on first use
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                for name in ("paged_attention_bf16.c", "fused_bf16.c", "decode_bf16.c", "kernels_f32.c"))
+                for name in ("paged_attention_bf16.c", "fused_bf16.c", "decode_bf16.c", "linear_amx.c", "kernels_f32.c"))
 #: headers the sources include (part of the library's build hash)
 HEADERS = tuple(Path(__file__).with_name("csrc") / name for name in ("simd_exp.h", "bf16_common.h"))
 #: C compiler flags the kernels are built with (benchmarks/prompt_attention.py builds other revisions' kernels alike)
@@ -100,6 +100,11 @@ def _build(folder: Path | None = None) -> tuple[ctypes.CDLL | None, str]:
     lib.rc32_linear_rows.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, nt]
     lib.rc_linear_rows.restype = ctypes.c_int
     lib.rc_linear_rows.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, nt]
+    if hasattr(lib, "rc_amx_linear"):  # not in an older revision's csrc/ (kernel_ab.py builds those)
+        lib.rc_amx_pack.restype = None
+        lib.rc_amx_pack.argtypes = [ptr, i64, i64, ptr]
+        lib.rc_amx_linear.restype = ctypes.c_int
+        lib.rc_amx_linear.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ptr, nt]
     lib.rc32_segment_mass.restype = ctypes.c_int
     lib.rc32_segment_mass.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, i64, ptr, i64, f32, ptr, nt]
     for name in ("rc32_wide", "rc_amx"):  # rc_amx: not in an older revision's csrc/ (kernel_ab.py builds those)

@@ -27,8 +27,14 @@ miss 0.65 s instead of 0.40 s untiled (without AMX the GEMMs alone take 5-10x lo
 cache hit 68 ms instead of 40 ms, a decode step unchanged (39 ms). Re-measured 2026-11-28 on a
 2-core Xeon with AMX (one forward pass of 1,000 prompt tokens, alternating): the layer GEMMs 173-185
 ms in 128-row calls against 141-158 ms in one call, the pass 268-286 against 231-250 ms (~1.15x;
-calls of 256 or 384 rows gain nothing). That is the price of exact bf16 reuse on AMX; float32
+calls of 256 or 384 rows gain nothing). That was the price of exact bf16 reuse on AMX; float32
 never uses AMX and is unaffected.
+
+Since 2026-11-28 a layer GEMM's prompt rows on AMX run instead in one call of our own AMX GEMM
+(:func:`~ragcache_backend.model.kernels.native.amx_linear`, ``csrc/linear_amx.c``), whose blocking
+never mixes rows, so a row's bits are its own by construction, in a call of any size (where it runs:
+:attr:`Linear.amx`; the 128-row oneDNN calls stay the fallback). A 1,000 / 2,000-token pass's layer
+GEMMs 253 -> 158 and 570 -> 330 ms on that Xeon (one process each, the VM's slow hour).
 """
 
 from __future__ import annotations
@@ -133,6 +139,10 @@ class Linear:
         rows_max: most rows of a call that takes the native kernel; None: any number (see :func:`pack_linear`).
         tail_tile: rows of the last, padded tiled call when no more are left (:data:`TAIL_TILE` where
             checked to give :data:`ROW_TILE` calls' bits, else :data:`ROW_TILE`).
+        amx: the weight laid out for our own AMX GEMM (:func:`~ragcache_backend.model.kernels.native.amx_linear`,
+            each row's bits independent of the call): a step's prompt rows then run in one call
+            instead of :data:`ROW_TILE`-row oneDNN calls; None where it does not run (no AMX,
+            ``RAGCACHE_AMX=0``, not bf16, not a layer GEMM, a shape it does not tile).
         decode_rows: a layer GEMM whose generated tokens' rows (told apart by :func:`step_rows`)
             take the native kernel whatever else the step holds, in calls of at most
             :data:`~ragcache_backend.model.kernels.native.LINEAR_ROWS_MAX` rows: the GEMM of a
@@ -149,6 +159,7 @@ class Linear:
     rows_max: int | None = native.LINEAR_ROWS_MAX
     decode_rows: bool = False
     tail_tile: int = ROW_TILE
+    amx: native.AMXWeight | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.decode_rows:
@@ -226,7 +237,10 @@ class Linear:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _tile_parts(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """:meth:`_tiled`'s outputs, one per call, before they are put together."""
+        """:meth:`_tiled`'s outputs, one per call, before they are put together (one call on our
+        AMX GEMM where it runs: :attr:`amx`)."""
+        if self.amx is not None:
+            return [native.amx_linear(x, self.amx)]
         rows = x.shape[0]
         full = rows - rows % ROW_TILE
         x = x.contiguous()
@@ -295,9 +309,11 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, *, per_s
             0.80x the time at 1 / 2 / 3 rows, 1.1-1.5x from 4 rows; float32 0.70x at 1-2 rows,
             1.1-1.5x from 3. Otherwise float32 calls of up to
             :data:`~ragcache_backend.model.kernels.native.LINEAR_ROWS_MAX` rows take it (decode rows)
-            and bf16 calls never (a prompt row's K/V must keep oneDNN's bits, whatever the call's size).
+            and bf16 calls never (a prompt row's K/V must keep the prompt GEMM's bits, whatever the
+            call's size).
 
-    The packed copy adds the weight's size in memory (the plain weight stays for other users).
+    The packed copy adds the weight's size in memory (the plain weight stays for other users); a
+    layer GEMM on our AMX GEMM (:attr:`Linear.amx`) adds one more.
     """
     weight = weight.detach()
     bias = bias.detach().contiguous() if bias is not None else None
@@ -318,5 +334,8 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, *, per_s
     packed = Linear(weight, bias, torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()), per_step=per_step,
                     rows_kernel=rows, rows_max=rows_max, decode_rows=decode)
     if _AMX and weight.dtype in _REDUCED and per_step:  # only a step's layer GEMMs run tiled (_by_class)
-        packed.tail_tile = _tail_tile(packed)
+        if native.amx_linear_available(weight):  # prompt rows in one call of our AMX GEMM
+            packed.amx = native.amx_pack(weight, bias)
+        else:
+            packed.tail_tile = _tail_tile(packed)
     return packed

@@ -1,10 +1,11 @@
 /* What the bf16 kernel files share (ragcache): bf16 loads, stores and roundings on AVX-512 registers,
  * and the row kernels one file defines and another calls (hidden: not exported from the library).
- * Included by paged_attention_bf16.c, fused_bf16.c and decode_bf16.c. */
+ * Included by paged_attention_bf16.c, fused_bf16.c, decode_bf16.c and linear_amx.c. */
 #ifndef RAGCACHE_BF16_COMMON_H
 #define RAGCACHE_BF16_COMMON_H
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
 
 typedef uint16_t bf16_t;
 
@@ -47,4 +48,35 @@ HIDDEN void rc_silu_mul_row(const bf16_t *g, const bf16_t *u, int64_t I, bf16_t 
 HIDDEN void rc_decode_chunk(const bf16_t *q, int64_t D, int64_t g, int64_t Hkv, int64_t S, const bf16_t *kc, const bf16_t *vc,
                             int64_t slot_row, const int64_t *slots, float scale, float *part);
 HIDDEN void rc_decode_merge(const float *parts, int64_t nc, int64_t Hq, int64_t D, int64_t hq, bf16_t *out);
+
+/* AMX (Intel Sapphire Rapids and later): compiled only where the compiler has AMX intrinsics (GCC,
+ * clang >= 11; -DRC_NO_AMX forces it off); rc_amx (paged_attention_bf16.c) says whether it runs. */
+#if !defined(RC_NO_AMX) && defined(__x86_64__) && defined(__linux__) && defined(__has_include)
+#if __has_include(<amxtileintrin.h>) || __has_include(<amxintrin.h>)
+#define RC_HAVE_AMX 1
+#endif
+#endif
+int rc_amx(int request);
+
+#ifdef RC_HAVE_AMX
+#define TGT_AMX __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl,amx-tile,amx-bf16")))
+
+/* Every tile 16 rows of 64 bytes: t0-t3 float32 sums (16 x 16), t4-t7 operands: A (16 rows x 32
+ * bf16) or B (16 bf16 pairs x 16 columns). Tile configuration is per thread: every thread that runs
+ * tiles calls this first, and _tile_release() when done. */
+TGT_AMX static inline void amx_configure(void) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } cfg __attribute__((aligned(64)));
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+#endif
 #endif

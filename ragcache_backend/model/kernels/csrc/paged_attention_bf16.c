@@ -181,12 +181,7 @@ static void attend_item(const bf16_t *q, int64_t q_row, int64_t D, int64_t g, in
  * ARCH_REQ_XCOMP_PERM; oneDNN asks for the same); request 0 or 1 sets it for the process (1 only
  * where it can run), -1 only asks. Every prompt row of every call takes the same kernel, so the
  * exactness above holds on either; the two kernels' rows differ in rounding (another summation
- * order of the same bf16 products). */
-#if !defined(RC_NO_AMX) && defined(__x86_64__) && defined(__linux__) && defined(__has_include)
-#if __has_include(<amxtileintrin.h>) || __has_include(<amxintrin.h>) /* GCC >= 11, clang >= 11: AMX intrinsics */
-#define RC_HAVE_AMX 1
-#endif
-#endif
+ * order of the same bf16 products). linear_amx.c's GEMM runs only where this says 1 as well. */
 static int amx_on = -1;
 int rc_amx(int request) {
     if (request < 0 && amx_on >= 0) return amx_on; /* every call asks: no probe then */
@@ -201,26 +196,6 @@ int rc_amx(int request) {
 }
 
 #ifdef RC_HAVE_AMX
-#define TGT_AMX __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl,amx-tile,amx-bf16")))
-
-/* Every tile 16 rows of 64 bytes: t0-t3 float32 sums (16 x 16); A operands (16 rows x 32 bf16) and
- * B operands (16 bf16 pairs x 16 columns: the packed keys' and values' layouts as they are) in
- * t4-t7: the scores take A in t4 and B in t5-t7, P V takes A in t4-t5 and B in t6-t7. */
-TGT_AMX static void amx_configure(void) {
-    struct {
-        uint8_t palette, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } cfg __attribute__((aligned(64)));
-    memset(&cfg, 0, sizeof(cfg));
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
-    _tile_loadconfig(&cfg);
-}
-
 /* attend_item on AMX tiles, one query head of the group at a time, its QPOS (16) query positions
  * the rows of every tile (the last block's missing rows zero and never written out). Per key block
  * of KB (64): scores S = Q K^T in four 16 x 16 tiles (TDPBF16PS over the head size, 32 at a time,

@@ -1,0 +1,125 @@
+/* A bf16 GEMM on AMX tiles whose every output row depends on its own input row only (ragcache):
+ * y = x W^T + b for a forward step's prompt rows, in one call whatever the row count.
+ *
+ * Why: oneDNN's AMX GEMMs block by the row count M, so a row's rounding changes with M, and the
+ * Python side had to run prompt rows in calls of exactly 128 rows (linear.py, ROW_TILE) to keep a
+ * prompt's K/V the same bits computed over a cached prefix or in full: ~1.6x the time of one
+ * oneDNN call at 2,048 rows (the weight read once per 128 rows, the outputs joined by copies).
+ * Here the blocking never mixes rows: every 32-row micro-block computes its 16-row A tiles against
+ * the weight's B tiles with TDPBF16PS over the input size in order (32 at a time), each C tile row
+ * the sum of its own A row's products; a block with fewer than 32 rows is padded with zeros in a
+ * scratch copy (never read past x). The float32 sums get the bias (float32) and one rounding to bf16.
+ *
+ * Layout of the packed weight (rc_amx_pack): for every block of 16 output columns nb and bf16 pair
+ * kp of the input, the 16 columns' pairs side by side: wp[((nb * K/2 + kp) * 16 + n) * 2 + j] =
+ * W[16 nb + n][2 kp + j]; a B tile (16 pairs x 16 columns) is then 1 KB contiguous.
+ *
+ * Blocking: work items of MC rows x NC columns over OpenMP threads; inside, 32 x 32 micro-blocks,
+ * the columns outer (a 32-column slice of W stays in L1/L2 while the item's rows pass). */
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16_common.h" /* bf16_t, RC_HAVE_AMX, TGT_AMX, amx_configure, rc_amx */
+
+#define MC 128 /* rows per work item */
+#define NC 256 /* columns per work item */
+
+/* W [N, K] bf16 (row stride K) into the tile layout above, wp [N * K]. N, K multiples of 32 (checked
+ * by the caller). */
+void rc_amx_pack(const bf16_t *w, int64_t N, int64_t K, bf16_t *wp) {
+    for (int64_t nb = 0; nb < N / 16; nb++)
+        for (int64_t kp = 0; kp < K / 2; kp++)
+            for (int64_t n = 0; n < 16; n++) {
+                const bf16_t *src = w + (nb * 16 + n) * K + 2 * kp;
+                bf16_t *dst = wp + ((nb * (K / 2) + kp) * 16 + n) * 2;
+                dst[0] = src[0];
+                dst[1] = src[1];
+            }
+}
+
+#ifdef RC_HAVE_AMX
+/* c [32][32] float32 = rows 0..31 of a (row stride a_row elements) x the 32 columns of B tiles b0
+ * (columns 0-15) and b1 (16-31), K in steps of 32. */
+TGT_AMX static void micro_block(const bf16_t *a, int64_t a_row, const bf16_t *b0, const bf16_t *b1, int64_t K, float *c) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const int64_t stride = a_row * (int64_t)sizeof(bf16_t);
+    for (int64_t k = 0; k < K; k += 32) {
+        _tile_loadd(4, a + k, stride);
+        _tile_loadd(6, b0 + k * 16, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, b1 + k * 16, 64);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(5, a + 16 * a_row + k, stride);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, c, 32 * sizeof(float));
+    _tile_stored(1, c + 16, 32 * sizeof(float));
+    _tile_stored(2, c + 16 * 32, 32 * sizeof(float));
+    _tile_stored(3, c + 16 * 32 + 16, 32 * sizeof(float));
+}
+
+TGT_AMX static void linear_items(const bf16_t *x, int64_t x_row, const bf16_t *wp, const float *bias, int64_t M, int64_t N,
+                                 int64_t K, bf16_t *y, bf16_t *pad, int nthreads) {
+    const int64_t nm = (M + MC - 1) / MC, nn = (N + NC - 1) / NC;
+#pragma omp parallel num_threads(nthreads)
+    {
+        amx_configure();
+        float c[32 * 32] __attribute__((aligned(64)));
+        bf16_t *mine = pad + (size_t)omp_get_thread_num() * 32 * K;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t w = 0; w < nm * nn; w++) {
+            const int64_t m0 = (w / nn) * MC, n0 = (w % nn) * NC;
+            const int64_t m1 = m0 + MC < M ? m0 + MC : M, n1 = n0 + NC < N ? n0 + NC : N;
+            for (int64_t n = n0; n < n1; n += 32) {
+                const bf16_t *b0 = wp + (n / 16) * (K / 2) * 32, *b1 = b0 + (K / 2) * 32;
+                for (int64_t m = m0; m < m1; m += 32) {
+                    const int64_t rows = m1 - m < 32 ? m1 - m : 32;
+                    const bf16_t *a = x + m * x_row;
+                    int64_t a_row = x_row;
+                    if (rows < 32) { /* the last rows, padded with zeros in a copy */
+                        for (int64_t r = 0; r < 32; r++) {
+                            if (r < rows) memcpy(mine + r * K, x + (m + r) * x_row, sizeof(bf16_t) * K);
+                            else memset(mine + r * K, 0, sizeof(bf16_t) * K);
+                        }
+                        a = mine;
+                        a_row = K;
+                    }
+                    micro_block(a, a_row, b0, b1, K, c);
+                    const __m512 bl = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
+                    const __m512 bh = bias ? _mm512_loadu_ps(bias + n + 16) : _mm512_setzero_ps();
+                    for (int64_t r = 0; r < rows; r++) {
+                        __m512 lo = _mm512_add_ps(_mm512_load_ps(c + r * 32), bl), hi = _mm512_add_ps(_mm512_load_ps(c + r * 32 + 16), bh);
+                        _mm512_storeu_si512(y + (m + r) * N + n, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+                    }
+                }
+            }
+        }
+        _tile_release();
+    }
+}
+#endif
+
+/* y [M, N] bf16 (contiguous) = x [M, K] bf16 (row stride x_row) W^T + bias (float32 [N] or NULL),
+ * wp: W packed by rc_amx_pack. Returns 0 on success, 1 if the arguments are out of range (N or K
+ * not a multiple of 32, M < 1), 2 if out of memory, 3 if AMX does not run here (rc_amx). */
+int rc_amx_linear(const bf16_t *x, int64_t x_row, const bf16_t *wp, const float *bias, int64_t M, int64_t N, int64_t K,
+                  bf16_t *y, int nthreads) {
+    if (M < 1 || N < 32 || K < 32 || N % 32 || K % 32 || x_row < K || nthreads < 1) return 1;
+#ifdef RC_HAVE_AMX
+    if (!rc_amx(-1)) return 3;
+    bf16_t *pad = aligned_alloc(64, (size_t)nthreads * 32 * (size_t)K * sizeof(bf16_t));
+    if (!pad) return 2;
+    linear_items(x, x_row, wp, bias, M, N, K, y, pad, nthreads);
+    free(pad);
+    return 0;
+#else
+    (void)x; (void)wp; (void)bias; (void)y;
+    return 3;
+#endif
+}
