@@ -15,7 +15,9 @@
  * W[16 nb + n][2 kp + j]; a B tile (16 pairs x 16 columns) is then 1 KB contiguous.
  *
  * Blocking: work items of MC rows x NC columns over OpenMP threads; inside, 32 x 32 micro-blocks,
- * the columns outer (a 32-column slice of W stays in L1/L2 while the item's rows pass). */
+ * the rows outer (32 rows of x stay in L1 while the item's NC columns of W pass from L2: ~10%
+ * faster than the columns outer for a 3,072 x 576 weight at 2,048 rows; MC 64 / NC 512-1,024 no
+ * better). */
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -76,20 +78,20 @@ TGT_AMX static void linear_items(const bf16_t *x, int64_t x_row, const bf16_t *w
         for (int64_t w = 0; w < nm * nn; w++) {
             const int64_t m0 = (w / nn) * MC, n0 = (w % nn) * NC;
             const int64_t m1 = m0 + MC < M ? m0 + MC : M, n1 = n0 + NC < N ? n0 + NC : N;
-            for (int64_t n = n0; n < n1; n += 32) {
-                const bf16_t *b0 = wp + (n / 16) * (K / 2) * 32, *b1 = b0 + (K / 2) * 32;
-                for (int64_t m = m0; m < m1; m += 32) {
-                    const int64_t rows = m1 - m < 32 ? m1 - m : 32;
-                    const bf16_t *a = x + m * x_row;
-                    int64_t a_row = x_row;
-                    if (rows < 32) { /* the last rows, padded with zeros in a copy */
-                        for (int64_t r = 0; r < 32; r++) {
-                            if (r < rows) memcpy(mine + r * K, x + (m + r) * x_row, sizeof(bf16_t) * K);
-                            else memset(mine + r * K, 0, sizeof(bf16_t) * K);
-                        }
-                        a = mine;
-                        a_row = K;
+            for (int64_t m = m0; m < m1; m += 32) {
+                const int64_t rows = m1 - m < 32 ? m1 - m : 32;
+                const bf16_t *a = x + m * x_row;
+                int64_t a_row = x_row;
+                if (rows < 32) { /* the last rows, padded with zeros in a copy */
+                    for (int64_t r = 0; r < 32; r++) {
+                        if (r < rows) memcpy(mine + r * K, x + (m + r) * x_row, sizeof(bf16_t) * K);
+                        else memset(mine + r * K, 0, sizeof(bf16_t) * K);
                     }
+                    a = mine;
+                    a_row = K;
+                }
+                for (int64_t n = n0; n < n1; n += 32) {
+                    const bf16_t *b0 = wp + (n / 16) * (K / 2) * 32, *b1 = b0 + (K / 2) * 32;
                     micro_block(a, a_row, b0, b1, K, c);
                     const __m512 bl = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
                     const __m512 bh = bias ? _mm512_loadu_ps(bias + n + 16) : _mm512_setzero_ps();
