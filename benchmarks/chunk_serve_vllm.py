@@ -104,10 +104,12 @@ def main() -> None:
                     peer.settle()
                     res = chunk.submit_segments(segs[i], one, recompute=rule).result()
                     row["chunk_ttft_s"], row["chunk_hits"], row["chunk_computed"] = res.ttft_s, res.chunk_hits, res.computed_tokens
+                    row["chunk_recomputed"], row["chunk_guard_tokens"] = res.recomputed_tokens, res.guard_tokens
             peer.settle()
             rows.append(row)
             print(f"[{time.perf_counter() - t0:5.0f}s] {n + 1}/{args.requests} {row['source']} {row['prompt_tokens']} tok: "
-                  f"chunk {row['chunk_ttft_s']:.3f} s ({row['chunk_hits']} chunk hits, {row['chunk_computed']} computed), "
+                  f"chunk {row['chunk_ttft_s']:.3f} s ({row['chunk_hits']} chunk hits, {row['chunk_computed']} computed, "
+                  f"{row['chunk_guard_tokens']} again by the guard), "
                   f"vLLM {row['vllm_ttft_s']:.3f} s ({row['vllm_cached']} cached)", flush=True)
     finally:
         peer.close()

@@ -313,7 +313,7 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, *, per_s
             call's size).
 
     The packed copy adds the weight's size in memory (the plain weight stays for other users); a
-    layer GEMM on our AMX GEMM (:attr:`Linear.amx`) adds one more.
+    layer GEMM on our AMX GEMM (:attr:`Linear.amx`) has that one instead of oneDNN's.
     """
     weight = weight.detach()
     bias = bias.detach().contiguous() if bias is not None else None
@@ -327,15 +327,18 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, *, per_s
     plain = Linear(weight, bias, per_step=per_step, rows_kernel=rows, rows_max=rows_max, decode_rows=decode)
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
         return plain
+    tiled = _AMX and weight.dtype in _REDUCED and per_step  # only a step's layer GEMMs run tiled (_by_class)
+    if tiled and native.amx_linear_available(weight):  # prompt rows in one call of our AMX GEMM
+        # no oneDNN copy: the few calls left to it (rows of a step whose row count changed part-way:
+        # chunk rows that stop early) take F.linear on the plain weight
+        plain.amx = native.amx_pack(weight, bias)
+        return plain
     if weight.dtype not in _works:
         _works[weight.dtype] = _packing_works(weight.dtype)
     if not _works[weight.dtype]:
         return plain
     packed = Linear(weight, bias, torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()), per_step=per_step,
                     rows_kernel=rows, rows_max=rows_max, decode_rows=decode)
-    if _AMX and weight.dtype in _REDUCED and per_step:  # only a step's layer GEMMs run tiled (_by_class)
-        if native.amx_linear_available(weight):  # prompt rows in one call of our AMX GEMM
-            packed.amx = native.amx_pack(weight, bias)
-        else:
-            packed.tail_tile = _tail_tile(packed)
+    if tiled:
+        packed.tail_tile = _tail_tile(packed)
     return packed
