@@ -15,6 +15,10 @@ disk tier): the engine hands it to the cache as its mover.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import logging
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,6 +29,33 @@ from ragcache_backend.errors import InvalidRequestError
 from ragcache_backend.model.kernels import rope_cos_sin
 
 __all__ = ["HostKV", "KVArena"]
+
+log = logging.getLogger(__name__)
+_HUGE = 2 << 20  # a transparent huge page on x86-64 Linux, bytes
+_MADV_HUGEPAGE = 14
+
+
+def advise_huge_pages(t: torch.Tensor) -> bool:
+    """Ask Linux to back ``t``'s memory (a CPU tensor, not yet touched) with transparent huge pages
+    (``madvise(MADV_HUGEPAGE)`` over its whole 2 MiB pages): the arena's first writes then fault 2
+    MiB at a time, not 4 KiB (a shared pool's host part is committed as it fills: on a 2-core VM a
+    chunk-reuse request writing ~46 MB into fresh host blocks spent ~0.24 s in 4 KiB page faults), and
+    reads across its scattered slots miss the TLB less. Returns whether the advice was taken; False
+    off Linux, on other devices, where THP is off (``never``) or the call fails: nothing else changes."""
+    if sys.platform != "linux" or t.device.type != "cpu":
+        return False
+    start = -(-t.data_ptr() // _HUGE) * _HUGE
+    end = (t.data_ptr() + t.numel() * t.element_size()) // _HUGE * _HUGE
+    if end <= start:
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        ok = libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE) == 0
+    except (OSError, AttributeError):
+        return False
+    if not ok:
+        log.debug("madvise(MADV_HUGEPAGE) refused (errno %d): the arena stays on 4 KiB pages", ctypes.get_errno())
+    return ok
 
 
 @dataclass(slots=True)
@@ -81,16 +112,14 @@ class KVArena:
         self.inv_freq = inv_freq
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
         committed = num_blocks if committed_blocks is None else min(num_blocks, committed_blocks)
-        if committed >= num_blocks:
-            # zeros, not empty: the arena is committed up front (a bounded budget, as vLLM's), so the
-            # first write to a block never pays the page faults of lazily committed memory
-            self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-            self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
-        else:  # the device part committed; the host part (a shared pool) as the host tier fills
-            self.k_cache = torch.empty(shape, dtype=dtype, device=device)
-            self.v_cache = torch.empty(shape, dtype=dtype, device=device)
-            self.k_cache[:, : committed * block_size].zero_()
-            self.v_cache[:, : committed * block_size].zero_()
+        # the device part is zeroed (committed) up front, a bounded budget as vLLM's, so its first
+        # write never pays the page faults of lazily committed memory; the host part of a shared
+        # pool is committed as the host tier fills, in huge pages where Linux gives them
+        self.k_cache = torch.empty(shape, dtype=dtype, device=device)
+        self.v_cache = torch.empty(shape, dtype=dtype, device=device)
+        for cache in (self.k_cache, self.v_cache):
+            advise_huge_pages(cache)
+            cache[:, : committed * block_size].zero_()
 
     # ---- sizes -------------------------------------------------------------------------------
     @property
