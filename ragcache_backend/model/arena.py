@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,8 +42,9 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
     MiB at a time, not 4 KiB (a shared pool's host part is committed as it fills: on a 2-core VM a
     chunk-reuse request writing ~46 MB into fresh host blocks spent ~0.24 s in 4 KiB page faults), and
     reads across its scattered slots miss the TLB less. Returns whether the advice was taken; False
-    off Linux, on other devices, where THP is off (``never``) or the call fails: nothing else changes."""
-    if sys.platform != "linux" or t.device.type != "cpu":
+    off Linux, on other devices, with ``RAGCACHE_HUGE_PAGES=0`` in the environment, where THP is off
+    (``never``) or the call fails: nothing else changes."""
+    if sys.platform != "linux" or t.device.type != "cpu" or os.environ.get("RAGCACHE_HUGE_PAGES", "1") == "0":
         return False
     start = -(-t.data_ptr() // _HUGE) * _HUGE
     end = (t.data_ptr() + t.numel() * t.element_size()) // _HUGE * _HUGE

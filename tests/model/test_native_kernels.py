@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from ragcache_backend.model.kernels import apply_rope, attention, native, position_mask, prefix_causal_mask, rope_cos_sin
 from ragcache_backend.model.kernels.native import NativeKernelError
+from tests.model.explicit_positions import EDGES, assert_mixed_step_rows_alone, scattered
 
 pytestmark = pytest.mark.skipif(not native.available(torch.bfloat16, "cpu", 64),
                                 reason="native kernels need a C compiler and a CPU with AVX512-BF16")
@@ -163,18 +164,8 @@ def test_one_call_for_a_mixed_step_equals_one_call_per_sequence():
         native.attention_batch(contexts[:1], [2], [True])  # a generated token comes one at a time
 
 
-def _scattered(context: int, count: int, seed: int, must: tuple[int, ...] = ()) -> torch.Tensor:
-    """Ascending positions in ``[0, context)``: ``must`` (those inside), then random others up to ``count``."""
-    g = torch.Generator().manual_seed(seed)
-    picked = {p for p in must if p < context}
-    for p in torch.randperm(context, generator=g).tolist():
-        if len(picked) >= count:
-            break
-        picked.add(p)
-    return torch.tensor(sorted(picked), dtype=torch.int64)
 
 
-_EDGES = (0, 1, 15, 16, 63, 64, 65, 127, 128, 191, 192, 255, 256, 511, 512)  # both sides of 64-key blocks
 _KERNELS = (True, False) if _AMX else (False,)  # prompt attention on AMX tiles, on AVX512-BF16
 
 
@@ -197,7 +188,7 @@ def test_paged_attention_at_explicit_positions_matches_the_masked_reference(cont
     kc, vc = _arena(2048, hkv, d, seed=context + new)
     g = torch.Generator().manual_seed(12)
     slots = torch.randperm(2048, generator=g)[:context]
-    pos = _scattered(context, new, seed=context, must=_EDGES + (context - 1,))
+    pos = scattered(context, new, seed=context, must=EDGES + (context - 1,))
     new = pos.numel()  # the block edges inside the context come on top
     q = torch.randn(new, hq + 2 * hkv, d, generator=g).bfloat16()[:, :hq]  # strided rows, as the runner passes them
     out = native.paged_attention(q, kc, vc, native.attention_batch([slots], [new], [False], [pos]), d**-0.5)
@@ -219,7 +210,7 @@ def test_a_row_at_an_explicit_position_is_the_ordinary_row_at_that_position(prom
     q = torch.randn(900, 9, 64, generator=g).bfloat16()
     cold = native.paged_prefill_attention(q, kc, vc, slots, 0, 0.125)
     for count, seed in ((1, 1), (16, 5), (37, 2), (300, 3)):
-        pos = _scattered(900, count, seed, must=(15, 16, 63, 64, 899))
+        pos = scattered(900, count, seed, must=(15, 16, 63, 64, 899))
         out = native.paged_attention(q[pos], kc, vc, native.attention_batch([slots], [pos.numel()], [False], [pos]), 0.125)
         assert torch.equal(out, cold[pos]), count
 
@@ -227,23 +218,7 @@ def test_a_row_at_an_explicit_position_is_the_ordinary_row_at_that_position(prom
 def test_explicit_positions_in_a_mixed_step_equal_each_sequence_alone(prompt_kernel):
     """A call with sequences at explicit positions next to ordinary prompts and generated tokens
     gives every row the bits it has alone."""
-    kc, vc = _arena(8192, 3, 64, seed=13)
-    g = torch.Generator().manual_seed(14)
-    perm = torch.randperm(8192, generator=g)
-    specs = [(400, _scattered(400, 60, 5)), (300, None), (1200, None), (129, _scattered(129, 3, 6, must=(64,))), (70, None)]
-    new = [p.numel() if p is not None else n for (_, p), n in zip(specs, (0, 25, 1, 0, 70))]
-    decode = [False, False, True, False, False]
-    contexts, at = [], 0
-    for s, _ in specs:
-        contexts.append(perm[at : at + s])
-        at += s
-    q = torch.randn(sum(new), 9, 64, generator=g).bfloat16()
-    together = native.paged_attention(q, kc, vc, native.attention_batch(contexts, new, decode, [p for _, p in specs]), 0.125)
-    row = 0
-    for ctx, (_, pos), n, dec in zip(contexts, specs, new, decode):
-        alone = native.paged_attention(q[row : row + n], kc, vc, native.attention_batch([ctx], [n], [dec], [pos]), 0.125)
-        assert torch.equal(together[row : row + n], alone)
-        row += n
+    assert_mixed_step_rows_alone(*_arena(8192, 3, 64, seed=13))
 
 
 def test_explicit_positions_the_kernel_is_handed_are_checked_by_the_kernel():

@@ -13,6 +13,7 @@ from ragcache_backend.model.kernels import (apply_rope, attention, native, posit
                                            segment_attention_mass)
 from ragcache_backend.model.kernels import library
 from ragcache_backend.model.kernels.native import NativeKernelError
+from tests.model.explicit_positions import EDGES, assert_mixed_step_rows_alone, scattered
 
 pytestmark = pytest.mark.skipif(not native.available(torch.float32, "cpu", 64),
                                 reason=f"float32 native kernels: {native.unavailable_reason(torch.float32, 'cpu', 64)}")
@@ -137,7 +138,7 @@ def test_prompt_attention_on_512_bit_registers_gives_the_256_bit_bits(hq, hkv, d
     kc, vc = _arena(8192, hkv, d, seed=d + hq)
     g = torch.Generator().manual_seed(hq)
     perm = torch.randperm(8192, generator=g)
-    specs = [(0, 131, None), (1000, 45, None), (700, 1, "decode"), (513, 0, _scattered(513, 70, 7, must=_EDGES)), (63, 2, None)]
+    specs = [(0, 131, None), (1000, 45, None), (700, 1, "decode"), (513, 0, scattered(513, 70, 7, must=EDGES)), (63, 2, None)]
     contexts, new, decode, given, rows_at, at = [], [], [], [], [], 0
     for cached, n, kind in specs:
         pos = kind if isinstance(kind, torch.Tensor) else None
@@ -188,18 +189,8 @@ def test_one_call_for_a_mixed_step_equals_one_call_per_sequence():
         row += new
 
 
-def _scattered(context: int, count: int, seed: int, must: tuple[int, ...] = ()) -> torch.Tensor:
-    """Ascending positions in ``[0, context)``: ``must`` (those inside), then random others up to ``count``."""
-    g = torch.Generator().manual_seed(seed)
-    picked = {p for p in must if p < context}
-    for p in torch.randperm(context, generator=g).tolist():
-        if len(picked) >= count:
-            break
-        picked.add(p)
-    return torch.tensor(sorted(picked), dtype=torch.int64)
 
 
-_EDGES = (0, 1, 63, 64, 65, 127, 128, 191, 192, 255, 256, 511, 512)  # both sides of 64-key blocks
 
 
 @pytest.mark.parametrize("context,new,hq,hkv,d", [(1, 1, 9, 3, 64), (64, 64, 9, 3, 64), (65, 5, 9, 3, 64), (200, 17, 4, 4, 64),
@@ -211,7 +202,7 @@ def test_paged_attention_at_explicit_positions_matches_the_masked_reference(cont
     kc, vc = _arena(2048, hkv, d, seed=context + new)
     g = torch.Generator().manual_seed(12)
     slots = torch.randperm(2048, generator=g)[:context]
-    pos = _scattered(context, new, seed=context, must=_EDGES + (context - 1,))
+    pos = scattered(context, new, seed=context, must=EDGES + (context - 1,))
     new = pos.numel()  # the block edges inside the context come on top
     q = torch.randn(new, hq + 2 * hkv, d, generator=g)[:, :hq]  # strided rows, as the runner passes them
     batch = native.attention_batch([slots], [new], [False], [pos])
@@ -229,7 +220,7 @@ def test_a_row_at_an_explicit_position_is_the_ordinary_row_at_that_position():
     q = torch.randn(900, 9, 64, generator=g)
     cold = native.paged_prefill_attention(q, kc, vc, slots, 0, 0.125)
     for count, seed in ((1, 1), (37, 2), (300, 3)):
-        pos = _scattered(900, count, seed, must=(63, 64, 899))
+        pos = scattered(900, count, seed, must=(63, 64, 899))
         out = native.paged_attention(q[pos], kc, vc, native.attention_batch([slots], [pos.numel()], [False], [pos]), 0.125)
         assert torch.equal(out, cold[pos]), count
 
@@ -237,23 +228,7 @@ def test_a_row_at_an_explicit_position_is_the_ordinary_row_at_that_position():
 def test_explicit_positions_in_a_mixed_step_equal_each_sequence_alone():
     """A call with sequences at explicit positions next to ordinary prompts and generated tokens
     gives every row the bits it has alone."""
-    kc, vc = _arena(8192, 3, 64, seed=13)
-    g = torch.Generator().manual_seed(14)
-    perm = torch.randperm(8192, generator=g)
-    specs = [(400, _scattered(400, 60, 5)), (300, None), (1200, None), (129, _scattered(129, 3, 6, must=(64,))), (70, None)]
-    new = [p.numel() if p is not None else n for (_, p), n in zip(specs, (0, 25, 1, 0, 70))]
-    decode = [False, False, True, False, False]
-    contexts, at = [], 0
-    for s, _ in specs:
-        contexts.append(perm[at : at + s])
-        at += s
-    q = torch.randn(sum(new), 9, 64, generator=g)
-    together = native.paged_attention(q, kc, vc, native.attention_batch(contexts, new, decode, [p for _, p in specs]), 0.125)
-    row = 0
-    for ctx, (_, pos), n, dec in zip(contexts, specs, new, decode):
-        alone = native.paged_attention(q[row : row + n], kc, vc, native.attention_batch([ctx], [n], [dec], [pos]), 0.125)
-        assert torch.equal(together[row : row + n], alone)
-        row += n
+    assert_mixed_step_rows_alone(*_arena(8192, 3, 64, seed=13))
 
 
 def test_bad_explicit_positions_raise_a_typed_error():

@@ -33,8 +33,9 @@ never uses AMX and is unaffected.
 Since 2026-11-28 a layer GEMM's prompt rows on AMX run instead in one call of our own AMX GEMM
 (:func:`~ragcache_backend.model.kernels.native.amx_linear`, ``csrc/linear_amx.c``), whose blocking
 never mixes rows, so a row's bits are its own by construction, in a call of any size (where it runs:
-:attr:`Linear.amx`; the 128-row oneDNN calls stay the fallback). A 1,000 / 2,000-token pass's layer
-GEMMs 253 -> 158 and 570 -> 330 ms on that Xeon (one process each, the VM's slow hour).
+:attr:`Linear.amx`; the 128-row oneDNN calls stay the fallback). On that Xeon, two engines
+alternating in one process: a cold 1,000-token pass 0.71x the time of the 128-row calls, 2,000 tokens
+0.75x (``docs/benchmarks/2026-11-28-xeon-amx-gemm/ab_amx_gemm.py``).
 """
 
 from __future__ import annotations

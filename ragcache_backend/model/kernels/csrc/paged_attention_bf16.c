@@ -203,7 +203,8 @@ int rc_amx(int request) {
  * causal limit, a row past it left untouched, probabilities rounded to bf16); P V for the block
  * from zero in tiles (keys 0-31, then 32-63), added to the row's rescaled sum. A row's result
  * depends on its own query, position and keys only: TDPBF16PS computes each output row from its
- * own A row, and the rest is per row. */
+ * own A row, and the rest is per row. Tiles (amx_configure): the scores take A in t4 and B (the
+ * packed keys as they are) in t5-t7, P V takes A in t4-t5 and B (the packed value pairs) in t6-t7. */
 TGT_AMX static void attend_item_amx(const bf16_t *q, int64_t q_row, int64_t D, int64_t g, int64_t h,
                                     int64_t t0, int64_t t1, int64_t P, const int64_t *qpos, const uint32_t *kp,
                                     const uint32_t *vp, float scale, bf16_t *out, int64_t out_row) {
