@@ -41,3 +41,8 @@ def test_large_cpu_tensors_are_advised_onto_huge_pages_and_small_ones_left_alone
 
 def test_no_advice_off_the_cpu():
     assert not advise_huge_pages(torch.empty(16 << 20, dtype=torch.uint8, device="meta"))
+
+
+def test_ragcache_huge_pages_0_leaves_the_arena_on_small_pages(monkeypatch):
+    monkeypatch.setenv("RAGCACHE_HUGE_PAGES", "0")
+    assert not advise_huge_pages(torch.empty(16 << 20, dtype=torch.uint8))
