@@ -3,9 +3,11 @@ tokens of reused chunks)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ragcache_backend.model.kernels import native
+from ragcache_backend.model.kernels.native import NativeKernelError
 
 #: positions on both sides of 16-row work items and 64-key blocks
 EDGES = (0, 1, 15, 16, 63, 64, 65, 127, 128, 191, 192, 255, 256, 511, 512)
@@ -42,3 +44,20 @@ def assert_mixed_step_rows_alone(kc: torch.Tensor, vc: torch.Tensor) -> None:
         alone = native.paged_attention(q[row : row + n], kc, vc, native.attention_batch([ctx], [n], [dec], [pos]), 0.125)
         assert torch.equal(together[row : row + n], alone)
         row += n
+
+
+def assert_forged_positions_fail_in_the_kernel(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> None:
+    """Positions that :func:`native.attention_batch` would refuse, forged into an
+    :class:`native.AttentionBatch` (past the context, descending, negative, huge, repeated), fail
+    cleanly in the C kernel (code 1), and a batch with one position too many for its rows is refused
+    (``q``: 3 rows of 9 heads of 64; ``kc``, ``vc``: an arena of at least 20 slots, 3 KV heads)."""
+    ctx = torch.arange(20)
+    good = native.attention_batch([ctx], [3], [False], [torch.tensor([1, 5, 9])])
+    native.paged_attention(q, kc, vc, good, 0.125)
+    for bad in ([1, 5, 20], [9, 5, 1], [-3, 5, 9], [1, 5, 1 << 40], [1, 5, 5]):
+        forged = native.AttentionBatch(good.slots, good.ctx_off, good.q_off, good.decode, torch.tensor(bad))
+        with pytest.raises(NativeKernelError, match="code 1"):
+            native.paged_attention(q, kc, vc, forged, 0.125)
+    with pytest.raises(NativeKernelError):  # one position per row
+        native.paged_attention(q[:2], kc, vc, native.AttentionBatch(good.slots, good.ctx_off, torch.tensor([0, 2]),
+                                                                     good.decode, torch.tensor([1, 5, 9])), 0.125)

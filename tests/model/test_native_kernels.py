@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from ragcache_backend.model.kernels import apply_rope, attention, native, position_mask, prefix_causal_mask, rope_cos_sin
 from ragcache_backend.model.kernels.native import NativeKernelError
-from tests.model.explicit_positions import EDGES, assert_mixed_step_rows_alone, scattered
+from tests.model.explicit_positions import (EDGES, assert_forged_positions_fail_in_the_kernel,
+                                            assert_mixed_step_rows_alone, scattered)
 
 pytestmark = pytest.mark.skipif(not native.available(torch.bfloat16, "cpu", 64),
                                 reason="native kernels need a C compiler and a CPU with AVX512-BF16")
@@ -224,17 +225,7 @@ def test_explicit_positions_in_a_mixed_step_equal_each_sequence_alone(prompt_ker
 def test_explicit_positions_the_kernel_is_handed_are_checked_by_the_kernel():
     """A batch built around :func:`attention_batch`'s checks fails cleanly in the C kernel (code 1),
     never reads outside the context."""
-    kc, vc = _arena(64, 3, 64, seed=0)
-    q, ctx = torch.randn(3, 9, 64).bfloat16(), torch.arange(20)
-    good = native.attention_batch([ctx], [3], [False], [torch.tensor([1, 5, 9])])
-    native.paged_attention(q, kc, vc, good, 0.125)
-    for bad in ([1, 5, 20], [9, 5, 1], [-3, 5, 9], [1, 5, 1 << 40], [1, 5, 5]):
-        forged = native.AttentionBatch(good.slots, good.ctx_off, good.q_off, good.decode, torch.tensor(bad))
-        with pytest.raises(NativeKernelError, match="code 1"):
-            native.paged_attention(q, kc, vc, forged, 0.125)
-    with pytest.raises(NativeKernelError):  # one position per row
-        native.paged_attention(q[:2], kc, vc, native.AttentionBatch(good.slots, good.ctx_off, torch.tensor([0, 2]),
-                                                                     good.decode, torch.tensor([1, 5, 9])), 0.125)
+    assert_forged_positions_fail_in_the_kernel(torch.randn(3, 9, 64).bfloat16(), *_arena(64, 3, 64, seed=0))
 
 
 @pytest.mark.skipif(not _AMX, reason="our AMX GEMM needs a CPU with AMX-BF16 (and Linux's tile state)")

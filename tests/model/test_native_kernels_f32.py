@@ -13,7 +13,8 @@ from ragcache_backend.model.kernels import (apply_rope, attention, native, posit
                                            segment_attention_mass)
 from ragcache_backend.model.kernels import library
 from ragcache_backend.model.kernels.native import NativeKernelError
-from tests.model.explicit_positions import EDGES, assert_mixed_step_rows_alone, scattered
+from tests.model.explicit_positions import (EDGES, assert_forged_positions_fail_in_the_kernel,
+                                            assert_mixed_step_rows_alone, scattered)
 
 pytestmark = pytest.mark.skipif(not native.available(torch.float32, "cpu", 64),
                                 reason=f"float32 native kernels: {native.unavailable_reason(torch.float32, 'cpu', 64)}")
@@ -244,14 +245,7 @@ def test_bad_explicit_positions_raise_a_typed_error():
     with pytest.raises(NativeKernelError):
         native.attention_batch([ctx], [3], [False], [None, None])
     # the C kernel checks the positions itself: a batch built around attention_batch's checks fails cleanly
-    good = native.attention_batch([ctx], [3], [False], [torch.tensor([1, 5, 9])])
-    for bad in ([1, 5, 20], [9, 5, 1], [-3, 5, 9], [1, 5, 1 << 40]):
-        forged = native.AttentionBatch(good.slots, good.ctx_off, good.q_off, good.decode, torch.tensor(bad))
-        with pytest.raises(NativeKernelError, match="code 1"):
-            native.paged_attention(q, kc, vc, forged, 0.125)
-    with pytest.raises(NativeKernelError):  # one position per row
-        native.paged_attention(q[:2], kc, vc, native.AttentionBatch(good.slots, good.ctx_off, torch.tensor([0, 2]),
-                                                                     good.decode, torch.tensor([1, 5, 9])), 0.125)
+    assert_forged_positions_fail_in_the_kernel(q, kc, vc)
     assert native.takes_positions(torch.float32) and native.takes_positions(torch.bfloat16)
     assert not native.takes_positions(torch.float16)
 
@@ -550,6 +544,14 @@ def test_a_library_built_from_another_folder_runs_the_kernels_in_a_block_only(tm
     with pytest.raises(AttributeError), native.using_library(NoKernels()):
         native.linear_rows(x, w)
     assert torch.equal(native.linear_rows(x, w), want)  # restored, after an error too
+    # an older revision's folder lacks the sources added since (NEWER_SOURCES): it builds without them
+    for name in library.NEWER_SOURCES:
+        (tmp_path / name).unlink()
+    older = native.build_library(tmp_path)
+    assert not hasattr(older, "rc_amx_linear")
+    with native.using_library(older):
+        assert torch.equal(native.linear_rows(x, w), want)
+        assert not native.amx_linear_available(torch.zeros(64, 64, dtype=torch.bfloat16))
     (tmp_path / "kernels_f32.c").unlink()
     with pytest.raises(OSError):
         native.build_library(tmp_path)

@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 #: the kernels' C files, compiled together into one library on first use
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("paged_attention_bf16.c", "fused_bf16.c", "decode_bf16.c", "linear_amx.c", "kernels_f32.c"))
+#: sources an older revision's ``csrc/`` lacks (added since kernel A/B runs began): a library built from
+#: such a folder (:func:`build_library`) is without their kernels, and the callers check for them
+NEWER_SOURCES = frozenset({"linear_amx.c"})
 #: headers the sources include (part of the library's build hash)
 HEADERS = tuple(Path(__file__).with_name("csrc") / name for name in ("simd_exp.h", "bf16_common.h"))
 #: C compiler flags the kernels are built with (benchmarks/prompt_attention.py builds other revisions' kernels alike)
@@ -56,11 +59,17 @@ def _compiler() -> str | None:
 
 
 def _build(folder: Path | None = None) -> tuple[ctypes.CDLL | None, str]:
-    """The library compiled from :data:`SOURCES` (or the files of those names in ``folder``), or
-    None and why not (not logged here: :func:`load` warns for the package's own library,
-    :func:`build_library` raises)."""
-    sources, headers = ((SOURCES, HEADERS) if folder is None else
-                        (tuple(folder / p.name for p in SOURCES), tuple(folder / p.name for p in HEADERS)))
+    """The library compiled from :data:`SOURCES` (or the files of those names in ``folder``, where
+    those of :data:`NEWER_SOURCES` may be missing), or None and why not (not logged here:
+    :func:`load` warns for the package's own library, :func:`build_library` raises).
+
+    Raises:
+        OSError: ``folder`` lacks a source other than :data:`NEWER_SOURCES`, or a header.
+    """
+    sources, headers = SOURCES, HEADERS
+    if folder is not None:
+        sources = tuple(folder / p.name for p in SOURCES if p.name not in NEWER_SOURCES or (folder / p.name).exists())
+        headers = tuple(folder / p.name for p in HEADERS)
     cc = _compiler()
     if cc is None:
         return None, "no C compiler found (set CC, or install gcc)"
@@ -85,8 +94,10 @@ def _build(folder: Path | None = None) -> tuple[ctypes.CDLL | None, str]:
         getattr(lib, f"{prefix}_supported").restype = ctypes.c_int
         attn = getattr(lib, f"{prefix}_paged_attention")
         attn.restype = ctypes.c_int
-        # explicit row positions (or NULL) after ``decode``
-        attn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32, ptr, nt]
+        # explicit row positions (or NULL) after ``decode``: the float32 kernel, and the bf16 one
+        # since rc_takes_positions (not in an older revision's csrc/, which kernel_ab.py builds)
+        qpos = (ptr,) if prefix == "rc32" or hasattr(lib, "rc_takes_positions") else ()
+        attn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, *qpos, i64, i64, i64, i64, f32, ptr, nt]
         rope = getattr(lib, f"{prefix}_rope_write")
         rope.restype = None
         rope.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, nt]
@@ -144,13 +155,14 @@ def load() -> ctypes.CDLL | None:
 
 def build_library(folder: Path) -> ctypes.CDLL:
     """Compile the kernel library from the C files of :data:`SOURCES`' and :data:`HEADERS`' names in
-    ``folder`` (an edited copy of ``csrc/``, or another revision's), cached like the package's own;
+    ``folder`` (an edited copy of ``csrc/``, or another revision's, which may lack
+    :data:`NEWER_SOURCES`: their kernels are then missing from it), cached like the package's own;
     with :func:`using_library`, two kernel versions compare in one process
     (``benchmarks/kernel_ab.py``).
 
     Raises:
         NativeKernelError: no C compiler, the build failed, or the CPU runs neither dtype's kernels.
-        OSError: a file is missing from ``folder``.
+        OSError: a file other than :data:`NEWER_SOURCES` is missing from ``folder``.
     """
     lib, why = _build(Path(folder))
     if lib is None:

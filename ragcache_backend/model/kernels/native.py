@@ -122,8 +122,12 @@ def takes_positions(dtype: torch.dtype) -> bool:
     """Whether ``dtype``'s attention kernel takes rows at explicit positions inside their context
     (:attr:`AttentionBatch.q_pos`): the float32 and the bf16 kernels both do (the bf16 one since
     2026-11-28); a row at an explicit position gets the bits of the row at that position of an
-    ordinary prompt over the same keys."""
-    return dtype in (torch.float32, torch.bfloat16)
+    ordinary prompt over the same keys. An older revision's bf16 library (``benchmarks/kernel_ab.py``)
+    does not: False while it runs (:func:`~ragcache_backend.model.kernels.library.using_library`)."""
+    if dtype == torch.float32:
+        return True
+    lib = library.load() if dtype == torch.bfloat16 else None
+    return lib is not None and hasattr(lib, "rc_takes_positions")
 
 
 @dataclass(slots=True, frozen=True)
@@ -247,9 +251,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out = torch.empty((n, hq, d), dtype=q.dtype)
     elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
         raise NativeKernelError(f"paged_attention: bad out {tuple(out.shape)}/{out.dtype}")
-    qpos = None if batch.q_pos is None else batch.q_pos.data_ptr()  # NULL: the last T of each context
+    # the rows' positions (NULL: the last T of each context), where the kernel has the argument
+    qpos = ((None if batch.q_pos is None else batch.q_pos.data_ptr()),) if takes_positions(q.dtype) else ()
     rc = fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), batch.slots.data_ptr(),
-            batch.ctx_off.data_ptr(), batch.q_off.data_ptr(), batch.decode.data_ptr(), qpos, len(batch.decode), hq,
+            batch.ctx_off.data_ptr(), batch.q_off.data_ptr(), batch.decode.data_ptr(), *qpos, len(batch.decode), hq,
             k_cache.shape[1], d, scale, out.data_ptr(), torch.get_num_threads())
     if rc != 0:
         raise NativeKernelError(f"paged_attention failed with code {rc} (1: arguments, 2: memory)")

@@ -510,6 +510,10 @@ typedef struct {
  *   qpos: NULL (every row at its place in the last T_b positions), or [N] the position of every row
  *     in its context: strictly ascending within a sequence, in [0, S_b); a decode row's is S_b - 1;
  *   out: [N, Hq, D] contiguous. */
+/* Present in every library whose rc_paged_attention takes qpos (library.py sets the ctypes signature
+ * by it: an older revision's library, built by benchmarks/kernel_ab.py, has neither). */
+int rc_takes_positions(void) { return 1; }
+
 int rc_paged_attention(const bf16_t *q, int64_t q_row, const bf16_t *kc, const bf16_t *vc, const int64_t *slots,
                        const int64_t *ctx_off, const int64_t *q_off, const uint8_t *decode, const int64_t *qpos, int64_t B, int64_t Hq,
                        int64_t Hkv, int64_t D, float scale, bf16_t *out, int nthreads) {
