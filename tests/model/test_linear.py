@@ -36,14 +36,26 @@ def test_bf16_rows_do_not_depend_on_how_many_rows_run_together():
     assert mismatched == []
 
 
+@pytest.mark.parametrize("amx_gemm", [True, False], ids=["amx-gemm-where-it-runs", "onednn-calls"])
 @pytest.mark.parametrize("shape", [(960, 576), (576, 576), (3072, 576), (576, 1536)])  # SmolLM2-135M's layer GEMMs
-def test_a_prompts_rows_round_the_same_computed_with_any_cached_prefix(shape):
-    """A prompt's suffix computed alone (a cache hit's new rows: its last call padded to 64 or 128
-    rows on AMX CPUs) gives the rows it gives inside the whole prompt, whatever the lengths."""
+def test_a_prompts_rows_round_the_same_computed_with_any_cached_prefix(shape, amx_gemm):
+    """A prompt's suffix computed alone (a cache hit's new rows) gives the rows it gives inside the
+    whole prompt, whatever the lengths: on AMX CPUs on our AMX GEMM (one call), and on oneDNN's
+    128-row calls (its last call padded to 64 or 128 rows) where that is switched off."""
+    from ragcache_backend.model.kernels import native
     from ragcache_backend.model.kernels.linear import StepRowClasses, step_rows
 
     g = torch.Generator().manual_seed(3)
-    lin = pack_linear((torch.randn(*shape, generator=g) * 0.03).bfloat16())
+    w = (torch.randn(*shape, generator=g) * 0.03).bfloat16()
+    before = native.bf16_amx() if native.available(torch.bfloat16, "cpu", 64) else None
+    try:
+        if before is not None:
+            native.bf16_amx(amx_gemm and before)
+        lin = pack_linear(w)
+    finally:
+        if before is not None:
+            native.bf16_amx(before)
+    assert (lin.amx is not None) == bool(amx_gemm and before)
     x = torch.randn(300, shape[1], generator=g).bfloat16()
     for total in (20, 64, 65, 129, 300):
         with step_rows(StepRowClasses.of([total], [False])):
