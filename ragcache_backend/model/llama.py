@@ -248,6 +248,13 @@ class PagedLlama:
         per-operation kernels (or the torch path) run them."""
         return self._decode_plan is not None
 
+    @property
+    def gemms_on_amx(self) -> bool:
+        """Whether every layer GEMM runs on our AMX GEMM (bf16 on CPUs with AMX; each row's bits its
+        own): a step's prompt rows and generated tokens' rows alike, and the whole-step decode's
+        GEMMs (:attr:`~ragcache_backend.model.kernels.linear.Linear.amx`)."""
+        return all(lin.amx is not None for w in self._weights for lin in (w.qkv, w.o_proj, w.gate_up, w.down_proj))
+
     @whole_step_decode.setter
     def whole_step_decode(self, on: bool) -> None:
         """Turn whole-step decode off (for A/B runs and tests: in float32 the per-operation kernels
@@ -420,7 +427,8 @@ class PagedLlama:
         nexts = [(ws[i + 1].input_norm, ws[i + 1].input_eps) for i in range(len(ws) - 1)] + [self._final_norm]
         return native.decode_plan([
             native.DecodeLayer(w.qkv.weight, w.qkv.bias, w.o_proj.weight, w.o_proj.bias, w.gate_up.weight, w.down_proj.weight,
-                               w.down_proj.bias, w.post_norm, w.post_eps, nxt[0], nxt[1])
+                               w.down_proj.bias, w.post_norm, w.post_eps, nxt[0], nxt[1],
+                               w.qkv.amx, w.o_proj.amx, w.gate_up.amx, w.down_proj.amx)
             for w, nxt in zip(ws, nexts)])
 
     @staticmethod

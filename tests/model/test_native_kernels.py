@@ -93,7 +93,7 @@ def test_prompt_attention_on_amx_tiles_matches_the_reference_and_the_avx512_kern
 @pytest.mark.skipif(not _AMX, reason="AMX prompt attention needs a CPU with AMX-BF16 (and Linux's tile state)")
 def test_ragcache_amx_0_keeps_prompt_attention_on_avx512_bf16():
     code = "import torch; from ragcache_backend.model.kernels import native; print(native.bf16_amx(), native.instruction_set(torch.bfloat16))"
-    for env, expect in (("0", "False AVX512-BF16"), ("1", "True AVX512-BF16, prompt attention on AMX")):
+    for env, expect in (("0", "False AVX512-BF16"), ("1", "True AVX512-BF16, prompt attention and layer GEMMs on AMX")):
         run = subprocess.run([sys.executable, "-c", code], env={**os.environ, "RAGCACHE_AMX": env}, capture_output=True, text=True,
                              timeout=120, check=True)
         assert run.stdout.strip() == expect, run.stderr[-2000:]
@@ -341,7 +341,8 @@ def test_bad_arguments_raise_a_typed_error():
         native.add_rms_norm(torch.randn(2, 64).bfloat16(), None, torch.ones(32).bfloat16(), 1e-5)
 
 
-def _random_bf16_llama(name: str, seed: int, hidden: int, intermediate: int, heads: int, kv_heads: int):
+def _random_bf16_llama(name: str, seed: int, hidden: int, intermediate: int, heads: int, kv_heads: int,
+                       head_dim: int | None = None):
     """A random 2-layer Llama in bf16 (vocabulary 512), as a :class:`LoadedModel` named ``name``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -350,7 +351,7 @@ def _random_bf16_llama(name: str, seed: int, hidden: int, intermediate: int, hea
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
                       num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=2048,
-                      tie_word_embeddings=False)
+                      tie_word_embeddings=False, head_dim=head_dim or hidden // heads)
     model = LlamaForCausalLM(cfg).eval().to(torch.bfloat16)
     return LoadedModel(model=model, tokenizer=None, name=name, fingerprint=name, dtype=torch.bfloat16,
                        device=torch.device("cpu"), context_window=2048)
@@ -367,6 +368,13 @@ def wide_bf16_llama():
     """A random 2-layer Llama of SmolLM2-135M's layer shapes (hidden 576, MLP 1,536, 9 / 3 heads),
     bf16: long enough sums that oneDNN's GEMM and the few-row kernel round differently."""
     return _random_bf16_llama("wide-bf16-64", seed=2, hidden=576, intermediate=1536, heads=9, kv_heads=3)
+
+
+@pytest.fixture(scope="module")
+def odd_bf16_llama():
+    """A random 2-layer Llama whose O and down projections have 224 outputs (7 x 32, not a multiple
+    of 64: the AMX decode GEMM's last group of columns is a half one), head size 64, bf16."""
+    return _random_bf16_llama("odd-bf16-64", seed=3, hidden=224, intermediate=352, heads=4, kv_heads=2, head_dim=64)
 
 
 def test_runner_native_path_is_exact_across_the_cache_and_close_to_transformers(tiny_bf16_llama):
@@ -493,12 +501,13 @@ def tiny_bf16_qwen2():
                        dtype=torch.bfloat16, device=torch.device("cpu"), context_window=2048)
 
 
-@pytest.mark.parametrize("model", ["tiny_bf16_llama", "tiny_bf16_qwen2", "wide_bf16_llama"])
+@pytest.mark.parametrize("model", ["tiny_bf16_llama", "tiny_bf16_qwen2", "wide_bf16_llama", "odd_bf16_llama"])
 def test_a_bf16_decode_step_in_one_native_call(model, request, monkeypatch):
     """Decode-only bf16 steps run every layer in one call (rc_decode_step); a sequence's logits and
     K/V are the same bits alone or in a batch, through the per-operation path (whose GEMMs give
     generated tokens' rows the same kernel), and in a step mixed with a prompt chunk. Qwen2: the
-    Q/K/V biases."""
+    Q/K/V biases. On AMX CPUs every GEMM of all of these runs on our AMX GEMM (the whole-step
+    decode's on tiles of as many rows as the step has)."""
     from ragcache_backend.model.runner import ForwardInput, KVRun, ModelRunner
 
     loaded = request.getfixturevalue(model)
@@ -515,6 +524,7 @@ def test_a_bf16_decode_step_in_one_native_call(model, request, monkeypatch):
     per_op = ModelRunner(copy.deepcopy(loaded), num_device_blocks=240, block_size=16)
     mixed = ModelRunner(copy.deepcopy(loaded), num_device_blocks=260, block_size=16)
     assert whole.layers.whole_step_decode and alone.layers.whole_step_decode
+    assert whole.layers.gemms_on_amx == _AMX
     per_op.layers.whole_step_decode = False
     g = torch.Generator().manual_seed(13)
     seqs = [tuple(torch.randint(0, 512, (n,), generator=g).tolist()) for n in (5, 300, 700)]

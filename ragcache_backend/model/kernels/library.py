@@ -124,7 +124,10 @@ def _build(folder: Path | None = None) -> tuple[ctypes.CDLL | None, str]:
             getattr(lib, name).argtypes = [nt]
     for step in (lib.rc32_decode_step, lib.rc_decode_step):
         step.restype = ctypes.c_int
-        step.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, f32, nt]
+        # the bf16 step's layers' AMX weights (or NULL) last, since rc_decode_takes_tiles (not in an
+        # older revision's csrc/, which kernel_ab.py builds)
+        tiles = (ptr,) if step is lib.rc_decode_step and hasattr(lib, "rc_decode_takes_tiles") else ()
+        step.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, f32, nt, *tiles]
     if lib.rc_supported():
         _KERNEL_DTYPES[torch.bfloat16] = "AVX512-BF16"
     if lib.rc32_supported():

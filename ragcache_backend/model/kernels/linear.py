@@ -141,9 +141,11 @@ class Linear:
         tail_tile: rows of the last, padded tiled call when no more are left (:data:`TAIL_TILE` where
             checked to give :data:`ROW_TILE` calls' bits, else :data:`ROW_TILE`).
         amx: the weight laid out for our own AMX GEMM (:func:`~ragcache_backend.model.kernels.native.amx_linear`,
-            each row's bits independent of the call): a step's prompt rows then run in one call
-            instead of :data:`ROW_TILE`-row oneDNN calls; None where it does not run (no AMX,
-            ``RAGCACHE_AMX=0``, not bf16, not a layer GEMM, a shape it does not tile).
+            each row's bits independent of the call): every row of a step (prompt and generated
+            tokens alike) then runs in one call of it, instead of :data:`ROW_TILE`-row oneDNN calls
+            and the few-row kernel, and the whole-step decode runs it on tiles too
+            (:func:`~ragcache_backend.model.kernels.native.decode_step`: the same bits); None where it
+            does not run (no AMX, ``RAGCACHE_AMX=0``, not bf16, not a layer GEMM, a shape it does not tile).
         decode_rows: a layer GEMM whose generated tokens' rows (told apart by :func:`step_rows`)
             take the native kernel whatever else the step holds, in calls of at most
             :data:`~ragcache_backend.model.kernels.native.LINEAR_ROWS_MAX` rows: the GEMM of a
@@ -163,6 +165,10 @@ class Linear:
     amx: native.AMXWeight | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.amx is not None and x.dtype == torch.bfloat16:
+            classes = _STEP_ROWS.get()
+            if classes is None or classes.rows == x.shape[0]:  # a step's rows, prompt and generated alike
+                return native.amx_linear(x, self.amx)
         if self.decode_rows:
             classes = _STEP_ROWS.get()
             if classes is not None and classes.rows == x.shape[0] and classes.decode.numel():

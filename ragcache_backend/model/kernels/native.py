@@ -108,7 +108,7 @@ def instruction_set(dtype: torch.dtype) -> str | None:
     if dtype == torch.float32 and lib.rc32_wide(-1):
         return f"{sets[dtype]}, attention loops on AVX-512F"
     if dtype == torch.bfloat16 and bf16_amx():
-        return f"{sets[dtype]}, prompt attention on AMX"
+        return f"{sets[dtype]}, prompt attention and layer GEMMs on AMX"
     return sets[dtype]
 
 
@@ -568,6 +568,10 @@ class DecodeLayer:
         down: ``[H, I]``; down_bias: ``[H]`` or None.
         post_norm, post_eps: the post-attention RMSNorm.
         next_norm, next_eps: the next layer's input RMSNorm (the final norm after the last layer).
+        qkv_amx, o_amx, gate_up_amx, down_amx: bf16 only, each GEMM's weight packed for our AMX GEMM
+            (:func:`amx_pack`, the same weight and bias) where that GEMM runs on it in a step's other
+            rows too (:attr:`~ragcache_backend.model.kernels.linear.Linear.amx`), else None: the step
+            then runs it on AMX tiles as well, so a generated token's bits do not depend on the path.
     """
 
     qkv: torch.Tensor
@@ -581,6 +585,16 @@ class DecodeLayer:
     post_eps: float
     next_norm: torch.Tensor
     next_eps: float
+    qkv_amx: AMXWeight | None = None
+    o_amx: AMXWeight | None = None
+    gate_up_amx: AMXWeight | None = None
+    down_amx: AMXWeight | None = None
+
+
+class _LayerTilesStruct(ctypes.Structure):
+    """``rc_layer_tiles_t`` of ``csrc/decode_bf16.c``: one layer's AMX-packed GEMM weights (or NULL)."""
+
+    _fields_ = [("qkv", ctypes.c_void_p), ("o", ctypes.c_void_p), ("gu", ctypes.c_void_p), ("down", ctypes.c_void_p)]
 
 
 @dataclass(slots=True, frozen=True)
@@ -589,6 +603,7 @@ class DecodePlan:
 
     Attributes:
         layers: the layer structs' array; keep: the tensors its pointers point into.
+        tiles: the layers' AMX-packed GEMM weights (bf16, where any GEMM has them), or None.
         hidden, intermediate: ``H`` and ``I``.
         dtype: the weights' dtype (float32: ``rc32_decode_step``; bf16: ``rc_decode_step``).
     """
@@ -598,13 +613,14 @@ class DecodePlan:
     hidden: int
     intermediate: int
     dtype: torch.dtype = torch.float32
+    tiles: ctypes.Array | None = None
 
 
 def decode_plan(layers: list[DecodeLayer]) -> DecodePlan | None:
     """The decode-step plan of ``layers``, or None where :func:`decode_step` cannot run them: no
     native kernels for their dtype here (float32: AVX2 + FMA; bf16: AVX512-BF16), a tensor that is
     not a contiguous CPU tensor of the first weight's dtype, hidden or MLP sizes that are not
-    multiples of 8 (float32) or 32 (bf16)."""
+    multiples of 8 (float32) or 32 (bf16), an AMX-packed weight that is not its GEMM's."""
     if not layers:
         return None
     dtype = layers[0].qkv.dtype
@@ -617,12 +633,22 @@ def decode_plan(layers: list[DecodeLayer]) -> DecodePlan | None:
     hidden, intermediate = layers[0].qkv.shape[1], layers[0].down.shape[1]
     if hidden % _LINEAR_K_MULTIPLE[dtype] or intermediate % _LINEAR_K_MULTIPLE[dtype]:  # the step's GEMMs' input sizes
         return None
+    packed = [((lay.qkv_amx, lay.qkv), (lay.o_amx, lay.o), (lay.gate_up_amx, lay.gate_up), (lay.down_amx, lay.down))
+              for lay in layers]
+    if any(a is not None and (dtype != torch.bfloat16 or (a.out_features, a.in_features) != tuple(w.shape))
+           for row in packed for a, w in row):
+        return None
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     array = (_LayerStruct * len(layers))(*[
         _LayerStruct(ptr(lay.qkv), ptr(lay.qkv_bias), ptr(lay.o), ptr(lay.o_bias), ptr(lay.gate_up), ptr(lay.down),
                      ptr(lay.down_bias), ptr(lay.post_norm), ptr(lay.next_norm), lay.post_eps, lay.next_eps)
         for lay in layers])
-    return DecodePlan(array, tuple(tensors), hidden, intermediate, dtype)
+    tiles = None
+    if any(a is not None for row in packed for a, _ in row):
+        tiles = (_LayerTilesStruct * len(layers))(*[_LayerTilesStruct(*[None if a is None else a.tiles.data_ptr() for a, _ in row])
+                                                    for row in packed])
+        tensors += [a.tiles for row in packed for a, _ in row if a is not None]
+    return DecodePlan(array, tuple(tensors), hidden, intermediate, dtype, tiles)
 
 
 def decode_step(plan: DecodePlan, h: torch.Tensor, x: torch.Tensor, num_heads: int, num_kv_heads: int,
@@ -636,7 +662,8 @@ def decode_step(plan: DecodePlan, h: torch.Tensor, x: torch.Tensor, num_heads: i
     :func:`silu_mul`), without their per-call dispatch. bf16 (``rc_decode_step``): the per-operation
     kernels' rows, with :func:`linear_rows`' bf16 GEMM in place of PyTorch's (the bits differ from the
     per-operation path's by the GEMMs' float32 summation order; a row's bits never depend on the
-    other rows of the step).
+    other rows of the step), or on AMX CPUs our AMX GEMM's (:func:`amx_linear`'s bits, for the GEMMs
+    whose packed weight the plan holds: ``DecodePlan.tiles``).
 
     Args:
         plan: the model's layers (:func:`decode_plan`), of the dtype of ``h``, ``x`` and the arena.
@@ -666,9 +693,11 @@ def decode_step(plan: DecodePlan, h: torch.Tensor, x: torch.Tensor, num_heads: i
            and batch.num_rows == m and len(batch.decode) == m and bool(batch.decode.all()),
            f"decode_step: bad arguments h={tuple(h.shape)}/{h.dtype} kv={tuple(k_cache.shape)}/{k_cache.dtype} "
            f"plan {plan.dtype} rows={batch.num_rows}")
+    # an older revision's library (benchmarks/kernel_ab.py) takes no tiles: its own GEMM then
+    tiles = (plan.tiles,) if dtype == torch.bfloat16 and hasattr(library.load(), "rc_decode_takes_tiles") else ()
     rc = step(
         ctypes.addressof(plan.layers), len(plan.layers), h.data_ptr(), x.data_ptr(), m, hidden, num_heads, num_kv_heads, d,
         plan.intermediate, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
-        write.data_ptr(), batch.slots.data_ptr(), batch.ctx_off.data_ptr(), scale, torch.get_num_threads())
+        write.data_ptr(), batch.slots.data_ptr(), batch.ctx_off.data_ptr(), scale, torch.get_num_threads(), *tiles)
     if rc != 0:
-        raise NativeKernelError(f"decode_step failed with code {rc} (1: arguments, 2: memory)")
+        raise NativeKernelError(f"decode_step failed with code {rc} (1: arguments or AMX not running, 2: memory)")

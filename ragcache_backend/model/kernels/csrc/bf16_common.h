@@ -61,10 +61,13 @@ int rc_amx(int request);
 #ifdef RC_HAVE_AMX
 #define TGT_AMX __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl,amx-tile,amx-bf16")))
 
-/* Every tile 16 rows of 64 bytes: t0-t3 float32 sums (16 x 16), t4-t7 operands: A (16 rows x 32
- * bf16) or B (16 bf16 pairs x 16 columns). Tile configuration is per thread: every thread that runs
- * tiles calls this first, and _tile_release() when done. */
-TGT_AMX static inline void amx_configure(void) {
+/* Every tile 64 bytes a row: t0-t3 float32 sums (rows x 16), t4-t7 operands: A (rows x 32 bf16) or
+ * B (16 bf16 pairs x 16 columns). a_rows (1 .. 16): the rows of t0-t4 (the sums and the first A
+ * operand; 16 in amx_configure), t5-t7 always 16. A tile of fewer rows reads and computes only
+ * those: each row of a sum is its own A row's, computed the same way whatever the row count.
+ * Tile configuration is per thread: every thread that runs tiles configures them first, and calls
+ * _tile_release() when done. */
+TGT_AMX static inline void amx_configure_rows(int a_rows) {
     struct {
         uint8_t palette, start_row, reserved[14];
         uint16_t colsb[16];
@@ -74,9 +77,14 @@ TGT_AMX static inline void amx_configure(void) {
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) {
         cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
+        cfg.rows[t] = t <= 4 ? (uint8_t)a_rows : 16;
     }
+    /* GCC does not see _tile_loadconfig read cfg: without this, it dropped the stores above where the
+     * function was not inlined (every tile 0 rows: SIGILL at the first tile instruction) */
+    __asm__ volatile("" : : "r"(&cfg) : "memory");
     _tile_loadconfig(&cfg);
 }
+
+TGT_AMX static inline void amx_configure(void) { amx_configure_rows(16); }
 #endif
 #endif

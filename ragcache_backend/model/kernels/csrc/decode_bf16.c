@@ -18,6 +18,14 @@
  * (its K/V must be the same bits cached or not, which the per-operation path keeps), and a
  * generated token's K/V is not kept as cache blocks in bf16.
  *
+ * On CPUs with AMX the step's GEMMs run on tiles instead (linear_tiles_for, over the weights as
+ * linear_amx.c packs them, where the layers have them: rc_layer_tiles_t): the A tile and the sums
+ * configured with the step's M rows, so a 1-row step reads and computes one row. Each output then
+ * gets rc_amx_linear's bits for its row, the bits the per-operation path gives every row of a step
+ * on those CPUs (linear.py, Linear.amx). SmolLM2-135M, 1,024 tokens of context, a 2-core Xeon with
+ * AMX (2026-11-28, benchmarks/forward_vs_vllm.py): decode steps at batch 1 / 4 / 8 / 16 took 15.9 /
+ * 27.8 / 40.1 / 57.9 ms on linear_for, 12.9 / 19.5 / 27.3 / 39.8 ms on tiles.
+ *
  * The step: per layer QKV, RoPE + KV write, decode attention (rc_decode_chunk over chunks of
  * DECODE_CHUNK keys shared among the threads, then rc_decode_merge: the per-operation path's
  * kernels, same bits), O, add + RMSNorm, gate/up, SiLU x up, down, add + RMSNorm, the threads
@@ -106,6 +114,81 @@ TGT_BF16 int rc_linear_rows(const bf16_t *x, int64_t M, int64_t K, const bf16_t 
     return 0;
 }
 
+#ifdef RC_HAVE_AMX
+/* linear_for on AMX tiles (CPUs with AMX-BF16): y [M, N] = x [M, K] W^T (+ b), W laid out by
+ * rc_amx_pack (linear_amx.c), inside a parallel region whose threads configured their tiles with
+ * amx_configure_rows(M) (so the A tile and the sums have M rows: only x's M rows are read). Per
+ * group of 64 output columns (an omp for, static: each thread streams a contiguous range of the
+ * packed weight once), four 1 KB B tiles per 32 inputs against the one A tile, TDPBF16PS over K in
+ * order: each output the same operations as rc_amx_linear's for the same row (its bits, whatever
+ * M or the other rows), the bias (bf16, exact in float32) added, one bf16 rounding. N % 32 == 0. */
+TGT_AMX static void linear_tiles_for(const bf16_t *x, int64_t M, int64_t K, const bf16_t *wp, const bf16_t *b, int64_t N,
+                                     bf16_t *y) {
+    float c[16 * 64] __attribute__((aligned(64)));
+    const int64_t xs = K * (int64_t)sizeof(bf16_t), blk = (K / 2) * 32; /* one 16-column block of wp */
+#pragma omp for schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += 64) {
+        const bf16_t *w0 = wp + (n0 / 16) * blk;
+        const int64_t cols = N - n0 < 64 ? N - n0 : 64;
+        _tile_zero(0);
+        _tile_zero(1);
+        if (cols == 64) {
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t k = 0; k < K; k += 32) {
+                _tile_loadd(4, x + k, xs);
+                _tile_loadd(5, w0 + k * 16, 64);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_loadd(6, w0 + blk + k * 16, 64);
+                _tile_dpbf16ps(1, 4, 6);
+                _tile_loadd(7, w0 + 2 * blk + k * 16, 64);
+                _tile_dpbf16ps(2, 4, 7);
+                _tile_loadd(5, w0 + 3 * blk + k * 16, 64);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+            _tile_stored(2, c + 32, 64 * sizeof(float));
+            _tile_stored(3, c + 48, 64 * sizeof(float));
+        } else { /* the last 32 columns */
+            for (int64_t k = 0; k < K; k += 32) {
+                _tile_loadd(4, x + k, xs);
+                _tile_loadd(5, w0 + k * 16, 64);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_loadd(6, w0 + blk + k * 16, 64);
+                _tile_dpbf16ps(1, 4, 6);
+            }
+        }
+        _tile_stored(0, c, 64 * sizeof(float));
+        _tile_stored(1, c + 16, 64 * sizeof(float));
+        for (int64_t j = 0; j < cols; j += 32) {
+            const __m512 bl = b ? load_bf16(b + n0 + j) : _mm512_setzero_ps();
+            const __m512 bh = b ? load_bf16(b + n0 + j + 16) : _mm512_setzero_ps();
+            for (int64_t m = 0; m < M; m++) {
+                const __m512 lo = _mm512_add_ps(_mm512_load_ps(c + m * 64 + j), bl);
+                const __m512 hi = _mm512_add_ps(_mm512_load_ps(c + m * 64 + j + 16), bh);
+                _mm512_storeu_si512(y + m * N + n0 + j, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+            }
+        }
+    }
+}
+
+TGT_AMX static void tiles_begin(int64_t rows) { amx_configure_rows((int)rows); }
+TGT_AMX static void tiles_end(void) { _tile_release(); }
+#endif
+
+/* A layer's linear: on AMX tiles where the layer has its weight packed for them (tiles not NULL),
+ * else linear_for. */
+TGT_BF16 static inline void layer_linear(const bf16_t *x, int64_t M, int64_t K, const bf16_t *W, const bf16_t *tiles,
+                                         const bf16_t *b, int64_t N, bf16_t *y) {
+#ifdef RC_HAVE_AMX
+    if (tiles) {
+        linear_tiles_for(x, M, K, tiles, b, N, y);
+        return;
+    }
+#endif
+    (void)tiles;
+    linear_for(x, M, K, W, b, N, y);
+}
+
 /* One decoder layer's weights, as rc_decode_step reads them (bf16). */
 typedef struct {
     const bf16_t *qkv_w, *qkv_b;   /* [(Hq + 2 Hkv) D, H] and its bias or NULL */
@@ -117,22 +200,40 @@ typedef struct {
     float post_eps, next_eps;
 } rc_layer_t;
 
+/* One decoder layer's GEMM weights laid out for AMX tiles (rc_amx_pack), each NULL where that GEMM
+ * runs on linear_for: the same choice, GEMM by GEMM, as the per-operation path's (linear.py's
+ * Linear.amx), so a generated token's bits do not depend on which path ran its step. */
+typedef struct {
+    const bf16_t *qkv, *o, *gu, *down;
+} rc_layer_tiles_t;
+
+/* Present in every library whose rc_decode_step takes the tiles argument (library.py sets the
+ * ctypes signature by it: an older revision's library, built by benchmarks/kernel_ab.py, has not). */
+int rc_decode_takes_tiles(void) { return 1; }
+
 /* Every decoder layer of a step whose M rows (M <= 16) are all generated tokens, in one call and
  * one parallel region.
  *   h: [M, H] residual stream (in: the embeddings; updated in place);
  *   x: [M, H] in: layer 0's input-normed rows; out: the final-normed rows;
  *   cos, sin: [M, D] float32; k_base, v_base: the arena, layer l at + l * layer_stride ([slots, Hkv, D]);
- *   write: [M] slot of each row's new K/V; slots/ctx_off: each row's context (its new token last).
- * Returns 0, 1 on bad arguments, 2 when out of memory. */
+ *   write: [M] slot of each row's new K/V; slots/ctx_off: each row's context (its new token last);
+ *   tiles: [L] the layers' GEMM weights packed for AMX (rc_layer_tiles_t), or NULL: every GEMM on
+ *     linear_for.
+ * Returns 0, 1 on bad arguments (tiles where AMX does not run, rc_amx), 2 when out of memory. */
 TGT_BF16 int rc_decode_step(const rc_layer_t *layers, int64_t L, bf16_t *h, bf16_t *x, int64_t M, int64_t H, int64_t Hq,
                             int64_t Hkv, int64_t D, int64_t I, const float *cos, const float *sin, bf16_t *k_base,
                             bf16_t *v_base, int64_t layer_stride, const int64_t *write, const int64_t *slots,
-                            const int64_t *ctx_off, float scale, int nthreads) {
+                            const int64_t *ctx_off, float scale, int nthreads, const rc_layer_tiles_t *tiles) {
     if (M < 1 || M > 16 || L < 1 || Hkv < 1 || Hq % Hkv || Hq / Hkv > 8 || D % 64 || D > 256 || H % 32 || I % 32 ||
         nthreads < 1)
         return 1;
     for (int64_t b = 0; b < M; b++)
         if (ctx_off[b + 1] - ctx_off[b] < 1) return 1;
+#ifdef RC_HAVE_AMX
+    if (tiles && !rc_amx(-1)) return 1;
+#else
+    if (tiles) return 1;
+#endif
     const int64_t g = Hq / Hkv, row = (Hq + 2 * Hkv) * D, slot_row = Hkv * D;
     bf16_t *qkv = malloc(sizeof(bf16_t) * (size_t)(M * row));
     bf16_t *att = malloc(sizeof(bf16_t) * (size_t)(M * Hq * D));
@@ -155,10 +256,15 @@ TGT_BF16 int rc_decode_step(const rc_layer_t *layers, int64_t L, bf16_t *h, bf16
         for (int64_t c = chunks_of[b]; c < chunks_of[b + 1]; c++) item_row[c] = b;
     }
 #pragma omp parallel num_threads(nthreads)
+    {
+#ifdef RC_HAVE_AMX
+    if (tiles) tiles_begin(M);
+#endif
     for (int64_t l = 0; l < L; l++) {
         const rc_layer_t *w = layers + l;
+        const rc_layer_tiles_t none = {NULL, NULL, NULL, NULL}, *t = tiles ? tiles + l : &none;
         bf16_t *kc = k_base + l * layer_stride, *vc = v_base + l * layer_stride;
-        linear_for(x, M, H, w->qkv_w, w->qkv_b, row, qkv);
+        layer_linear(x, M, H, w->qkv_w, t->qkv, w->qkv_b, row, qkv);
 #pragma omp for schedule(static)
         for (int64_t n = 0; n < M; n++)
             rc_rope_write_row(qkv + n * row, Hq, Hkv, D, cos + n * D, sin + n * D, kc + write[n] * slot_row,
@@ -174,15 +280,19 @@ TGT_BF16 int rc_decode_step(const rc_layer_t *layers, int64_t L, bf16_t *h, bf16
             const int64_t b = u / Hq, hq = u % Hq;
             rc_decode_merge(parts + chunks_of[b] * Hq * (D + 2), chunks_of[b + 1] - chunks_of[b], Hq, D, hq, att + (b * Hq + hq) * D);
         }
-        linear_for(att, M, Hq * D, w->o_w, w->o_b, H, tmp);
+        layer_linear(att, M, Hq * D, w->o_w, t->o, w->o_b, H, tmp);
 #pragma omp for schedule(static)
         for (int64_t n = 0; n < M; n++) rc_add_rms_norm_row(h + n * H, tmp + n * H, w->post_norm, w->post_eps, H, x + n * H);
-        linear_for(x, M, H, w->gu_w, NULL, 2 * I, gu);
+        layer_linear(x, M, H, w->gu_w, t->gu, NULL, 2 * I, gu);
 #pragma omp for schedule(static)
         for (int64_t n = 0; n < M; n++) rc_silu_mul_row(gu + n * 2 * I, gu + n * 2 * I + I, I, act + n * I);
-        linear_for(act, M, I, w->down_w, w->down_b, H, tmp);
+        layer_linear(act, M, I, w->down_w, t->down, w->down_b, H, tmp);
 #pragma omp for schedule(static)
         for (int64_t n = 0; n < M; n++) rc_add_rms_norm_row(h + n * H, tmp + n * H, w->next_norm, w->next_eps, H, x + n * H);
+    }
+#ifdef RC_HAVE_AMX
+    if (tiles) tiles_end();
+#endif
     }
 done:
     free(qkv); free(att); free(tmp); free(gu); free(act); free(item_row); free(chunks_of); free(parts);
