@@ -474,7 +474,7 @@ class PagedLlama:
             if st.chunks:
                 self._chunks_after_write(st, old, qkv[:, :hq], kc, vc, a, idx)
             x = native.add_rms_norm(h, w.o_proj(a.view(n, hq * d)), w.post_norm, w.post_eps)
-            down = w.down_proj(native.silu_mul(w.gate_up(x)))
+            down = w.down_proj(w.gate_up.silu_gated(x))
             if idx + 1 < len(self._weights):
                 x = native.add_rms_norm(h, down, self._weights[idx + 1].input_norm, self._weights[idx + 1].input_eps)
                 if st.chunks:
@@ -499,7 +499,7 @@ class PagedLlama:
         a = native.paged_attention(q, kc, vc, batch, self._scale)
         h = h.index_select(0, rows)
         x = native.add_rms_norm(h, w.o_proj(a.view(len(rows), hq * d)), w.post_norm, w.post_eps)
-        down = w.down_proj(native.silu_mul(w.gate_up(x)))
+        down = w.down_proj(w.gate_up.silu_gated(x))
         return native.add_rms_norm(h, down, *self._final_norm)
 
     def _attend_native(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, st: StepRows, a: torch.Tensor) -> None:

@@ -252,6 +252,36 @@ def test_amx_linear_rows_are_their_own_whatever_the_call(n, k, bias):
 
 
 @pytest.mark.skipif(not _AMX, reason="our AMX GEMM needs a CPU with AMX-BF16 (and Linux's tile state)")
+@pytest.mark.parametrize("i,k,bias", [(1536, 576, False), (48, 64, True), (16, 32, False)])
+def test_amx_linear_silu_is_silu_mul_over_the_gemm_bit_for_bit(i, k, bias):
+    """The gated AMX GEMM (SiLU(gate) * up without writing the [M, 2 I] product) gives the bits of
+    :func:`native.silu_mul` over :func:`native.amx_linear`'s product, for every row count (a partial
+    32-row block, one row, several work items), a strided input, a bias (gate's and up's apart), and
+    through :meth:`Linear.silu_gated` in a step's rows or outside one; close to the float32 reference."""
+    from ragcache_backend.model.kernels.linear import StepRowClasses, pack_linear, step_rows
+
+    g = torch.Generator().manual_seed(i + k)
+    w = (torch.randn(2 * i, k, generator=g) * 0.05).bfloat16()
+    b = torch.randn(2 * i, generator=g).bfloat16() if bias else None
+    aw = native.amx_pack(w, b)
+    x = torch.randn(300, 2 * k, generator=g).bfloat16()[:, :k]  # strided rows
+    for a, z in ((0, 300), (0, 1), (7, 40), (100, 228)):
+        got = native.amx_linear_silu(x[a:z], aw)
+        assert got.shape == (z - a, i) and got.dtype == torch.bfloat16
+        assert torch.equal(got, native.silu_mul(native.amx_linear(x[a:z], aw))), (a, z)
+    gu = x.float() @ w.float().t() + (b.float() if bias else 0)
+    ref = torch.nn.functional.silu(gu[:, :i]) * gu[:, i:]
+    assert ((native.amx_linear_silu(x, aw).float() - ref).abs() <= 0.03 * ref.abs() + 0.02).all()
+    lin = pack_linear(w, b)
+    assert lin.amx is not None
+    with step_rows(StepRowClasses.of([300], [False])):
+        assert torch.equal(lin.silu_gated(x), native.silu_mul(lin(x)))
+    assert torch.equal(lin.silu_gated(x[:3]), native.silu_mul(native.amx_linear(x[:3], aw)))
+    with pytest.raises(NativeKernelError):
+        native.amx_linear_silu(x[:, :32].contiguous(), aw) if k != 32 else native.amx_linear_silu(x.float(), aw)
+
+
+@pytest.mark.skipif(not _AMX, reason="our AMX GEMM needs a CPU with AMX-BF16 (and Linux's tile state)")
 def test_amx_linear_rejects_what_it_cannot_run():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(64, 64, generator=g).bfloat16()

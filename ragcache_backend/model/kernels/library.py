@@ -116,6 +116,9 @@ def _build(folder: Path | None = None) -> tuple[ctypes.CDLL | None, str]:
         lib.rc_amx_pack.argtypes = [ptr, i64, i64, ptr]
         lib.rc_amx_linear.restype = ctypes.c_int
         lib.rc_amx_linear.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ptr, nt]
+    if hasattr(lib, "rc_amx_linear_silu"):  # since 2026-11-28 (kernel_ab.py builds older revisions)
+        lib.rc_amx_linear_silu.restype = ctypes.c_int
+        lib.rc_amx_linear_silu.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ptr, nt]
     lib.rc32_segment_mass.restype = ctypes.c_int
     lib.rc32_segment_mass.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, i64, ptr, i64, f32, ptr, nt]
     for name in ("rc32_wide", "rc_amx"):  # rc_amx: not in an older revision's csrc/ (kernel_ab.py builds those)

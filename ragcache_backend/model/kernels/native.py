@@ -546,6 +546,38 @@ def amx_linear(x: torch.Tensor, weight: AMXWeight) -> torch.Tensor:
     return out
 
 
+def amx_linear_silu(x: torch.Tensor, weight: AMXWeight) -> torch.Tensor:
+    """``silu_mul(amx_linear(x, weight))`` for a ``[gate; up]`` weight (``[2 I, K]``: the gate's rows,
+    then the up projection's), the same bits, in one call that never writes the ``[M, 2 I]`` product
+    (``csrc/linear_amx.c``, ``rc_amx_linear_silu``: each 32-row block's gate and up sums side by side
+    in the tiles, each rounded to bf16 as :func:`amx_linear` rounds it, then :func:`silu_mul`'s SiLU
+    and product).
+
+    Args:
+        x: ``[M, K]`` bf16 on the CPU (rows may be strided); weight: from :func:`amx_pack`, ``2 I``
+            rows with ``I`` a multiple of 16.
+
+    Returns:
+        ``[M, I]`` bf16, contiguous.
+
+    Raises:
+        NativeKernelError: as :func:`amx_linear`; also a library without the kernel (an older revision's).
+    """
+    m, k = x.shape
+    fn = getattr(library.load(), "rc_amx_linear_silu", None)
+    _check(fn is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu" and k == weight.in_features and m >= 1
+           and weight.out_features % 32 == 0,
+           f"amx_linear_silu: bad arguments x={tuple(x.shape)}/{x.dtype} for a {weight.out_features} x {weight.in_features} weight")
+    if x.stride(1) != 1 or x.stride(0) < k:
+        x = x.contiguous()
+    out = torch.empty((m, weight.out_features // 2), dtype=torch.bfloat16)
+    rc = fn(x.data_ptr(), x.stride(0), weight.tiles.data_ptr(), None if weight.bias is None else weight.bias.data_ptr(), m,
+            weight.out_features // 2, k, out.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise NativeKernelError(f"amx_linear_silu failed with code {rc} (1: arguments, 2: memory, 3: AMX not running)")
+    return out
+
+
 class _LayerStruct(ctypes.Structure):
     """``rc32_layer_t`` of ``csrc/kernels_f32.c`` and ``rc_layer_t`` of ``csrc/decode_bf16.c`` (the same
     layout, pointers to float32 or bf16): one decoder layer's weights for :func:`decode_step`."""

@@ -7,6 +7,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "simd_exp.h" /* exp512 */
+
 typedef uint16_t bf16_t;
 
 #define TGT_BF16 __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl")))
@@ -22,6 +24,14 @@ TGT_BF16 static inline void store_bf16(bf16_t *p, __m512 x) {
 
 TGT_BF16 static inline __m512 round_bf16(__m512 x) { /* x rounded to bf16, back in float32 */
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+}
+
+/* SiLU(g) * u on 16 lanes, g and u bf16 values (in float32): the activation rounded to bf16 as
+ * PyTorch rounds it, the product left to the caller's one rounding (rc_silu_mul_row, and our AMX
+ * GEMM's gated epilogue in linear_amx.c: the same bits either way). */
+TGT_BF16 __attribute__((always_inline)) static inline __m512 silu_mul16(__m512 g, __m512 u) {
+    __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    return _mm512_mul_ps(round_bf16(_mm512_mul_ps(g, sig)), u);
 }
 
 /* The sums of a, b, c and d's 16 lanes each, as [sum a, sum b, sum c, sum d] (a fixed order of

@@ -78,12 +78,7 @@ TGT void rc_add_rms_norm(bf16_t *h, const bf16_t *delta, const bf16_t *weight, f
 
 /* One row of rc_silu_mul: out [I] = bf16(silu(g)) * u. */
 TGT HIDDEN void rc_silu_mul_row(const bf16_t *g, const bf16_t *u, int64_t I, bf16_t *out) {
-    for (int64_t i = 0; i < I; i += 16) {
-        __m512 x = load_bf16(g + i);
-        __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), x))));
-        __m512 act = round_bf16(_mm512_mul_ps(x, sig));
-        store_bf16(out + i, _mm512_mul_ps(act, load_bf16(u + i)));
-    }
+    for (int64_t i = 0; i < I; i += 16) store_bf16(out + i, silu_mul16(load_bf16(g + i), load_bf16(u + i)));
 }
 
 /* out [N, I] = bf16(silu(gate)) * up, with gate_up [N, 2I] = [gate | up] per row. */

@@ -66,9 +66,30 @@ TGT_AMX static void micro_block(const bf16_t *a, int64_t a_row, const bf16_t *b0
     _tile_stored(3, c + 16 * 32 + 16, 32 * sizeof(float));
 }
 
+/* The float32 sums c [rows][32] of one micro-block into y's rows (row stride N) at column n: the
+ * bias added, one bf16 rounding (32 outputs a row); or, gated, c's first 16 columns the gate and its
+ * last 16 the up projection of 16 outputs: each rounded to bf16 (bias added first) as the plain
+ * GEMM rounds it, then SiLU(gate) * up as rc_silu_mul computes it (silu_mul16), one rounding. */
+TGT_AMX static inline void store_block(const float *c, int64_t rows, const float *bias, const float *bias_up, int gated,
+                                       bf16_t *y, int64_t N) {
+    const __m512 bl = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    const __m512 bh = bias_up ? _mm512_loadu_ps(bias_up) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; r++) {
+        const __m512 lo = _mm512_add_ps(_mm512_load_ps(c + r * 32), bl), hi = _mm512_add_ps(_mm512_load_ps(c + r * 32 + 16), bh);
+        if (gated)
+            store_bf16(y + r * N, silu_mul16(round_bf16(lo), round_bf16(hi)));
+        else
+            _mm512_storeu_si512(y + r * N, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
+/* y [M, N] = x W^T + b; gated: W is [2 N, K], its first N rows the gate and the others the up
+ * projection, and y = SiLU(x Wg^T + bg) * (x Wu^T + bu) (see store_block). */
 TGT_AMX static void linear_items(const bf16_t *x, int64_t x_row, const bf16_t *wp, const float *bias, int64_t M, int64_t N,
-                                 int64_t K, bf16_t *y, bf16_t *pad, int nthreads) {
-    const int64_t nm = (M + MC - 1) / MC, nn = (N + NC - 1) / NC;
+                                 int64_t K, bf16_t *y, bf16_t *pad, int nthreads, int gated) {
+    const int64_t cols = gated ? NC / 2 : NC; /* output columns per work item: the weight columns it reads are NC */
+    const int64_t step = gated ? 16 : 32;     /* output columns per micro-block */
+    const int64_t nm = (M + MC - 1) / MC, nn = (N + cols - 1) / cols, blk = (K / 2) * 32; /* blk: one 16-column block of wp */
 #pragma omp parallel num_threads(nthreads)
     {
         amx_configure();
@@ -76,8 +97,8 @@ TGT_AMX static void linear_items(const bf16_t *x, int64_t x_row, const bf16_t *w
         bf16_t *mine = pad + (size_t)omp_get_thread_num() * 32 * K;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < nm * nn; w++) {
-            const int64_t m0 = (w / nn) * MC, n0 = (w % nn) * NC;
-            const int64_t m1 = m0 + MC < M ? m0 + MC : M, n1 = n0 + NC < N ? n0 + NC : N;
+            const int64_t m0 = (w / nn) * MC, n0 = (w % nn) * cols;
+            const int64_t m1 = m0 + MC < M ? m0 + MC : M, n1 = n0 + cols < N ? n0 + cols : N;
             for (int64_t m = m0; m < m1; m += 32) {
                 const int64_t rows = m1 - m < 32 ? m1 - m : 32;
                 const bf16_t *a = x + m * x_row;
@@ -90,15 +111,10 @@ TGT_AMX static void linear_items(const bf16_t *x, int64_t x_row, const bf16_t *w
                     a = mine;
                     a_row = K;
                 }
-                for (int64_t n = n0; n < n1; n += 32) {
-                    const bf16_t *b0 = wp + (n / 16) * (K / 2) * 32, *b1 = b0 + (K / 2) * 32;
+                for (int64_t n = n0; n < n1; n += step) {
+                    const bf16_t *b0 = wp + (n / 16) * blk, *b1 = gated ? wp + ((N + n) / 16) * blk : b0 + blk;
                     micro_block(a, a_row, b0, b1, K, c);
-                    const __m512 bl = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
-                    const __m512 bh = bias ? _mm512_loadu_ps(bias + n + 16) : _mm512_setzero_ps();
-                    for (int64_t r = 0; r < rows; r++) {
-                        __m512 lo = _mm512_add_ps(_mm512_load_ps(c + r * 32), bl), hi = _mm512_add_ps(_mm512_load_ps(c + r * 32 + 16), bh);
-                        _mm512_storeu_si512(y + (m + r) * N + n, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-                    }
+                    store_block(c, rows, bias ? bias + n : NULL, bias ? bias + (gated ? N : 16) + n : NULL, gated, y + m * N + n, N);
                 }
             }
         }
@@ -117,7 +133,26 @@ int rc_amx_linear(const bf16_t *x, int64_t x_row, const bf16_t *wp, const float 
     if (!rc_amx(-1)) return 3;
     bf16_t *pad = aligned_alloc(64, (size_t)nthreads * 32 * (size_t)K * sizeof(bf16_t));
     if (!pad) return 2;
-    linear_items(x, x_row, wp, bias, M, N, K, y, pad, nthreads);
+    linear_items(x, x_row, wp, bias, M, N, K, y, pad, nthreads, 0);
+    free(pad);
+    return 0;
+#else
+    (void)x; (void)wp; (void)bias; (void)y;
+    return 3;
+#endif
+}
+
+/* y [M, I] bf16 (contiguous) = SiLU(x Wg^T + bg) * (x Wu^T + bu), the bits of rc_amx_linear's [M, 2 I]
+ * product through rc_silu_mul, without writing it: wp packs W [2 I, K] (gate rows, then up rows;
+ * rc_amx_pack), bias float32 [2 I] or NULL. Returns as rc_amx_linear (1: I not a multiple of 16). */
+int rc_amx_linear_silu(const bf16_t *x, int64_t x_row, const bf16_t *wp, const float *bias, int64_t M, int64_t I, int64_t K,
+                       bf16_t *y, int nthreads) {
+    if (M < 1 || I < 16 || K < 32 || I % 16 || K % 32 || x_row < K || nthreads < 1) return 1;
+#ifdef RC_HAVE_AMX
+    if (!rc_amx(-1)) return 3;
+    bf16_t *pad = aligned_alloc(64, (size_t)nthreads * 32 * (size_t)K * sizeof(bf16_t));
+    if (!pad) return 2;
+    linear_items(x, x_row, wp, bias, M, I, K, y, pad, nthreads, 1);
     free(pad);
     return 0;
 #else
