@@ -196,127 +196,196 @@ int rc_amx(int request) {
 }
 
 #ifdef RC_HAVE_AMX
-/* attend_item on AMX tiles, one query head of the group at a time, its QPOS (16) query positions
- * the rows of every tile (the last block's missing rows zero and never written out). Per key block
- * of KB (64): scores S = Q K^T in four 16 x 16 tiles (TDPBF16PS over the head size, 32 at a time,
- * in d order); the online softmax of each row as attend_item's (float32, masked past the row's
- * causal limit, a row past it left untouched, probabilities rounded to bf16); P V for the block
- * from zero in tiles (keys 0-31, then 32-63), added to the row's rescaled sum. A row's result
- * depends on its own query, position and keys only: TDPBF16PS computes each output row from its
- * own A row, and the rest is per row. Tiles (amx_configure): the scores take A in t4 and B (the
- * packed keys as they are) in t5-t7, P V takes A in t4-t5 and B (the packed value pairs) in t6-t7. */
+/* 2^t on 16 lanes for t <= 0 (finite), the AMX item's softmax exponentials: t = n + f with n the
+ * nearest integer, 2^f by its Taylor polynomial of degree 5 (relative error < 3e-6 on |f| <= 1/2;
+ * a probability is rounded to bf16, 2^-9, before P V), times 2^n by VSCALEFPS (0 below the float
+ * range). 9 instructions with the argument's FMA, against exp512's 17 + 1: the exponentials are
+ * most of a prompt's attention. */
+TGT_AMX __attribute__((always_inline)) static inline __m512 exp2_neg(__m512 t) {
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.3333558146e-3f), f, _mm512_set1_ps(9.6181291076e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108665e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650696e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* attend_item on AMX tiles, transposed: one query head of the group at a time, its QPOS (16) query
+ * positions the 16 lanes of every vector (a missing row's lane zero and never written out), keys
+ * the rows of the tiles. Per key block of KB (64): S^T = K Q^T in four 16 x 16 tiles (A: 16 keys'
+ * head-size values, 32 at a time, in d order; B: the queries' bf16 pairs), so that a key's scores
+ * for the 16 queries are one vector; the online softmax then runs on vectors only (the block's
+ * largest score per lane: maxima over the keys, no horizontal reduction; masked past each lane's
+ * causal limit; probabilities 2^(log2(e) scale (s - m)) in float32 (exp2_neg), their sum per lane, rounded to bf16
+ * and interleaved in pairs of consecutive keys: the B operand of O^T = V^T P^T, computed from zero
+ * in D / 16 tiles (A: 16 dims' value pairs) and added to the lane's rescaled sum (one FMA). A lane
+ * past its causal limit in a block is left untouched (masked updates), so a row's result depends on
+ * its own query, position and keys only: TDPBF16PS computes each output element from its own row of
+ * A and column of B, and the rest is per lane. Tiles (amx_configure): the scores in t0-t3 (then the
+ * outputs), B in t4 (queries; then probabilities of keys 0-31) and t5 (keys 32-63), A in t6-t7.
+ * Against the row-major item it replaced (scores as 16 query rows, a row's softmax with horizontal
+ * reductions and scalar bookkeeping): see docs/benchmarks.md (2026-11-28, the transposed AMX item). */
 TGT_AMX static void attend_item_amx(const bf16_t *q, int64_t q_row, int64_t D, int64_t g, int64_t h,
                                     int64_t t0, int64_t t1, int64_t P, const int64_t *qpos, const uint32_t *kp,
                                     const uint32_t *vp, float scale, bf16_t *out, int64_t out_row) {
     const int64_t n = t1 - t0, DP = D / 2;
-    int64_t lim[QPOS];
-    for (int64_t r = 0; r < QPOS; r++) lim[r] = r < n ? (qpos ? qpos[t0 + r] : P + t0 + r) : -1;
-    const int64_t nblocks = lim[n - 1] / KB + 1; /* positions ascend: the item's last row reads the most keys */
-    bf16_t qb[QPOS * 256] __attribute__((aligned(64)));
-    float sc[QPOS * KB] __attribute__((aligned(64)));
-    uint32_t pb[QPOS * KB / 2] __attribute__((aligned(64)));
-    float pv[QPOS * 64] __attribute__((aligned(64)));
-    float acc[QPOS * 256] __attribute__((aligned(64)));
-    float m[QPOS], l[QPOS], alpha[QPOS];
-    int live[QPOS];
+    int32_t limv[QPOS] __attribute__((aligned(64)));
+    for (int64_t r = 0; r < QPOS; r++) limv[r] = r < n ? (int32_t)(qpos ? qpos[t0 + r] : P + t0 + r) : -1;
+    const int64_t first = limv[0], nblocks = limv[n - 1] / KB + 1; /* positions ascend */
+    const __m512i lim = _mm512_load_si512(limv);
+    const __m512i pair_lanes = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21,
+                                                5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512 vscale = _mm512_set1_ps(scale), vscale2 = _mm512_set1_ps(scale * 1.44269504088896341f); /* the exponent base 2 */
+    const bf16_t *kt = (const bf16_t *)kp;
+    uint32_t qt[128 * QPOS] __attribute__((aligned(64))); /* [D/2][16]: the queries' bf16 pairs */
+    float sc[KB * QPOS] __attribute__((aligned(64)));     /* [KB][16] scores, then [64][16] a P V part */
+    uint32_t pb[KB / 2 * QPOS] __attribute__((aligned(64)));
+    float acc[256 * QPOS] __attribute__((aligned(64)));   /* [D][16] */
     amx_configure();
     for (int64_t i = 0; i < g; i++) {
         const int64_t hq = h * g + i;
         for (int64_t r = 0; r < QPOS; r++) {
-            if (r < n) memcpy(qb + r * D, q + (t0 + r) * q_row + hq * D, sizeof(bf16_t) * D);
-            else memset(qb + r * D, 0, sizeof(bf16_t) * D);
-            m[r] = -INFINITY;
-            l[r] = 0.0f;
-            memset(acc + r * D, 0, sizeof(float) * D);
+            const uint32_t *qr = (const uint32_t *)(q + (t0 + r) * q_row + hq * D);
+            for (int64_t p = 0; p < DP; p++) qt[p * QPOS + r] = r < n ? qr[p] : 0;
         }
+        memset(acc, 0, sizeof(float) * (size_t)(D * QPOS));
+        __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
         for (int64_t kb = 0; kb < nblocks; kb++) {
-            const uint32_t *kblk = kp + kb * 4 * DP * 16;
+            const int64_t k0 = kb * KB;
+            const __mmask16 live = _mm512_cmpge_epi32_mask(lim, _mm512_set1_epi32((int)k0)); /* lanes with a key here */
+            /* S^T: keys k0 + 16 j .. + 15 in tile j */
             _tile_zero(0);
             _tile_zero(1);
             _tile_zero(2);
             _tile_zero(3);
-            for (int64_t c = 0; c < D / 32; c++) { /* head-size columns 32 c .. 32 c + 31: bf16 pairs 16 c .. 16 c + 15 */
-                _tile_loadd(4, qb + 32 * c, D * sizeof(bf16_t));
-                _tile_loadd(5, kblk + (0 * DP + 16 * c) * 16, 64);
-                _tile_dpbf16ps(0, 4, 5);
-                _tile_loadd(6, kblk + (1 * DP + 16 * c) * 16, 64);
-                _tile_dpbf16ps(1, 4, 6);
-                _tile_loadd(7, kblk + (2 * DP + 16 * c) * 16, 64);
-                _tile_dpbf16ps(2, 4, 7);
-                _tile_loadd(5, kblk + (3 * DP + 16 * c) * 16, 64);
-                _tile_dpbf16ps(3, 4, 5);
+            for (int64_t c = 0; c < D / 32; c++) {
+                const bf16_t *ka = kt + k0 * D + 32 * c;
+                const int64_t ks = D * (int64_t)sizeof(bf16_t);
+                _tile_loadd(4, qt + 16 * c * QPOS, 64);
+                _tile_loadd(6, ka, ks);
+                _tile_dpbf16ps(0, 6, 4);
+                _tile_loadd(7, ka + 16 * D, ks);
+                _tile_dpbf16ps(1, 7, 4);
+                _tile_loadd(6, ka + 32 * D, ks);
+                _tile_dpbf16ps(2, 6, 4);
+                _tile_loadd(7, ka + 48 * D, ks);
+                _tile_dpbf16ps(3, 7, 4);
             }
-            _tile_stored(0, sc, KB * sizeof(float));
-            _tile_stored(1, sc + 16, KB * sizeof(float));
-            _tile_stored(2, sc + 32, KB * sizeof(float));
-            _tile_stored(3, sc + 48, KB * sizeof(float));
-            int any = 0;
-            for (int64_t r = 0; r < QPOS; r++) {
-                int64_t valid = lim[r] - kb * KB + 1;
-                if (valid > KB) valid = KB;
-                live[r] = r < n && valid > 0;
-                if (!live[r]) { /* a missing row, or past this row's causal limit: untouched */
-                    memset(pb + r * (KB / 2), 0, sizeof(uint32_t) * (KB / 2));
-                    continue;
-                }
-                any = 1;
-                __m512 c[4];
-                for (int j = 0; j < 4; j++) c[j] = _mm512_load_ps(sc + r * KB + 16 * j);
-                alpha[r] = softmax_block(c, valid, scale, &m[r], &l[r], pb + r * (KB / 2));
+            _tile_stored(0, sc, 64);
+            _tile_stored(1, sc + 16 * QPOS, 64);
+            _tile_stored(2, sc + 32 * QPOS, 64);
+            _tile_stored(3, sc + 48 * QPOS, 64);
+            /* keys past some lane's limit: only in blocks reaching past the item's first row */
+            const int masked = k0 + KB - 1 > first;
+            __mmask16 valid[KB];
+            for (int j = 0; j < KB; j++)
+                valid[j] = masked ? _mm512_cmpge_epi32_mask(lim, _mm512_set1_epi32((int)(k0 + j))) & live : live;
+            __m512 b0 = _mm512_set1_ps(-INFINITY), b1 = b0, b2 = b0, b3 = b0; /* four chains, keys j % 4 */
+            for (int j = 0; j < KB; j += 4) {
+                b0 = _mm512_mask_max_ps(b0, valid[j], b0, _mm512_load_ps(sc + j * QPOS));
+                b1 = _mm512_mask_max_ps(b1, valid[j + 1], b1, _mm512_load_ps(sc + (j + 1) * QPOS));
+                b2 = _mm512_mask_max_ps(b2, valid[j + 2], b2, _mm512_load_ps(sc + (j + 2) * QPOS));
+                b3 = _mm512_mask_max_ps(b3, valid[j + 3], b3, _mm512_load_ps(sc + (j + 3) * QPOS));
             }
-            if (!any) continue;
-            /* P V: A = probabilities of keys 0-31 (t4) and 32-63 (t5), B = the block's value pairs */
-            const uint32_t *vblk = vp + kb * (KB / 2) * D;
-            _tile_loadd(4, pb, KB / 2 * sizeof(uint32_t));
-            _tile_loadd(5, pb + 16, KB / 2 * sizeof(uint32_t));
+            const __m512 mx = _mm512_max_ps(_mm512_max_ps(b0, b1), _mm512_max_ps(b2, b3));
+            const __mmask16 grow = _mm512_mask_cmp_ps_mask(live, mx, m, _CMP_GT_OQ);
+            const __m512 mnew = _mm512_mask_mov_ps(m, grow, mx);
+            /* exactly 1 where the largest score did not move; m = -inf (a lane's first keys): its sums are 0 */
+            const __m512 alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), grow,
+                                                    exp512(_mm512_max_ps(_mm512_mul_ps(_mm512_sub_ps(m, mnew), vscale), _mm512_set1_ps(-87.0f))));
+            m = mnew;
+            const __m512 negm = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(m, vscale2));
+            __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0; /* four chains, keys j % 4 */
+            for (int j = 0; j < KB; j += 4) { /* keys j .. j + 3: two rows of B (16 lanes' pairs each) */
+                const __m512 p0 = _mm512_maskz_mov_ps(valid[j], exp2_neg(_mm512_fmadd_ps(_mm512_load_ps(sc + j * QPOS), vscale2, negm)));
+                const __m512 p1 = _mm512_maskz_mov_ps(valid[j + 1], exp2_neg(_mm512_fmadd_ps(_mm512_load_ps(sc + (j + 1) * QPOS), vscale2, negm)));
+                const __m512 p2 = _mm512_maskz_mov_ps(valid[j + 2], exp2_neg(_mm512_fmadd_ps(_mm512_load_ps(sc + (j + 2) * QPOS), vscale2, negm)));
+                const __m512 p3 = _mm512_maskz_mov_ps(valid[j + 3], exp2_neg(_mm512_fmadd_ps(_mm512_load_ps(sc + (j + 3) * QPOS), vscale2, negm)));
+                s0 = _mm512_add_ps(s0, p0);
+                s1 = _mm512_add_ps(s1, p1);
+                s2 = _mm512_add_ps(s2, p2);
+                s3 = _mm512_add_ps(s3, p3);
+                _mm512_store_si512(pb + j / 2 * QPOS, _mm512_permutexvar_epi16(pair_lanes, (__m512i)_mm512_cvtne2ps_pbh(p1, p0)));
+                _mm512_store_si512(pb + (j / 2 + 1) * QPOS, _mm512_permutexvar_epi16(pair_lanes, (__m512i)_mm512_cvtne2ps_pbh(p3, p2)));
+            }
+            l = _mm512_mask_fmadd_ps(l, live, alpha, _mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
+            /* O^T for the block: dims 16 e .. + 15 in tile e (of four), B the probabilities of keys 0-31 (t4), 32-63 (t5) */
+            const uint32_t *vblk = vp + kb * D * (KB / 2);
+            _tile_loadd(4, pb, 64);
+            _tile_loadd(5, pb + 16 * QPOS, 64);
             for (int64_t dg = 0; dg < D; dg += 64) {
+                const int64_t vs = KB / 2 * (int64_t)sizeof(uint32_t);
+                const uint32_t *va = vblk + dg * (KB / 2);
                 _tile_zero(0);
                 _tile_zero(1);
                 _tile_zero(2);
                 _tile_zero(3);
-                const int64_t vs = D * sizeof(uint32_t);
-                _tile_loadd(6, vblk + dg, vs);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_loadd(7, vblk + 16 * D + dg, vs);
-                _tile_dpbf16ps(0, 5, 7);
-                _tile_loadd(6, vblk + dg + 16, vs);
-                _tile_dpbf16ps(1, 4, 6);
-                _tile_loadd(7, vblk + 16 * D + dg + 16, vs);
-                _tile_dpbf16ps(1, 5, 7);
-                _tile_loadd(6, vblk + dg + 32, vs);
-                _tile_dpbf16ps(2, 4, 6);
-                _tile_loadd(7, vblk + 16 * D + dg + 32, vs);
-                _tile_dpbf16ps(2, 5, 7);
-                _tile_loadd(6, vblk + dg + 48, vs);
-                _tile_dpbf16ps(3, 4, 6);
-                _tile_loadd(7, vblk + 16 * D + dg + 48, vs);
-                _tile_dpbf16ps(3, 5, 7);
-                _tile_stored(0, pv, 64 * sizeof(float));
-                _tile_stored(1, pv + 16, 64 * sizeof(float));
-                _tile_stored(2, pv + 32, 64 * sizeof(float));
-                _tile_stored(3, pv + 48, 64 * sizeof(float));
-                for (int64_t r = 0; r < QPOS; r++) {
-                    if (!live[r]) continue;
-                    __m512 a = _mm512_set1_ps(alpha[r]);
-                    float *ar = acc + r * D + dg;
-                    for (int j = 0; j < 4; j++)
-                        _mm512_store_ps(ar + 16 * j, _mm512_add_ps(_mm512_mul_ps(_mm512_load_ps(ar + 16 * j), a),
-                                                                   _mm512_load_ps(pv + r * 64 + 16 * j)));
+                _tile_loadd(6, va, vs);
+                _tile_dpbf16ps(0, 6, 4);
+                _tile_loadd(7, va + 16, vs);
+                _tile_dpbf16ps(0, 7, 5);
+                _tile_loadd(6, va + 16 * (KB / 2), vs);
+                _tile_dpbf16ps(1, 6, 4);
+                _tile_loadd(7, va + 16 * (KB / 2) + 16, vs);
+                _tile_dpbf16ps(1, 7, 5);
+                _tile_loadd(6, va + 32 * (KB / 2), vs);
+                _tile_dpbf16ps(2, 6, 4);
+                _tile_loadd(7, va + 32 * (KB / 2) + 16, vs);
+                _tile_dpbf16ps(2, 7, 5);
+                _tile_loadd(6, va + 48 * (KB / 2), vs);
+                _tile_dpbf16ps(3, 6, 4);
+                _tile_loadd(7, va + 48 * (KB / 2) + 16, vs);
+                _tile_dpbf16ps(3, 7, 5);
+                _tile_stored(0, sc, 64);
+                _tile_stored(1, sc + 16 * QPOS, 64);
+                _tile_stored(2, sc + 32 * QPOS, 64);
+                _tile_stored(3, sc + 48 * QPOS, 64);
+                for (int64_t d = 0; d < 64; d++) {
+                    float *ad = acc + (dg + d) * QPOS;
+                    _mm512_store_ps(ad, _mm512_mask_fmadd_ps(_mm512_load_ps(ad), live, alpha, _mm512_load_ps(sc + d * QPOS)));
                 }
             }
         }
+        /* out[r] = acc[., r] / l[r], one bf16 rounding */
+        float inv[QPOS] __attribute__((aligned(64)));
+        _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), l));
         for (int64_t r = 0; r < n; r++) {
-            __m512 inv = _mm512_set1_ps(1.0f / l[r]);
             bf16_t *dst = out + (t0 + r) * out_row + hq * D;
-            for (int64_t d = 0; d < D; d += 32)
-                _mm512_storeu_si512(dst + d, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_load_ps(acc + r * D + d + 16), inv),
-                                                                         _mm512_mul_ps(_mm512_load_ps(acc + r * D + d), inv)));
+            const __m512 iv = _mm512_set1_ps(inv[r]);
+            const __m512i col = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                                    _mm512_set1_epi32(QPOS)), _mm512_set1_epi32((int)r));
+            for (int64_t d = 0; d < D; d += 32) {
+                const __m512 lo = _mm512_i32gather_ps(col, acc + d * QPOS, 4), hi = _mm512_i32gather_ps(col, acc + (d + 16) * QPOS, 4);
+                _mm512_storeu_si512(dst + d, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, iv), _mm512_mul_ps(lo, iv)));
+            }
         }
     }
     _tile_release();
 }
+
+/* pack_keys for attend_item_amx: keys [start, end) of KV head h as kt [S_pad][D] bf16 (a key's
+ * values contiguous: 16 keys' 32 values are an A tile of S^T) in kp, and per key block of KB, vt
+ * [D][KB / 2] bf16 pairs of consecutive keys (16 dims' pairs an A tile of O^T) in vp; keys >= S zero. */
+static void pack_keys_amx(const bf16_t *kc, const bf16_t *vc, int64_t slot_row, const int64_t *slots, int64_t S,
+                          int64_t h, int64_t D, int64_t start, int64_t end, uint32_t *kp, uint32_t *vp) {
+    bf16_t *kt = (bf16_t *)kp;
+    for (int64_t j = start; j < end; j++) {
+        bf16_t *vd = (bf16_t *)(vp + (j / KB) * D * (KB / 2)) + j % KB; /* dim d at vd[d * KB] */
+        if (j < S) {
+            memcpy(kt + j * D, kc + slots[j] * slot_row + h * D, sizeof(bf16_t) * (size_t)D);
+            const bf16_t *vrow = vc + slots[j] * slot_row + h * D;
+            for (int64_t d = 0; d < D; d++) vd[d * KB] = vrow[d];
+        } else {
+            memset(kt + j * D, 0, sizeof(bf16_t) * (size_t)D);
+            for (int64_t d = 0; d < D; d++) vd[d * KB] = 0;
+        }
+    }
+}
 #else
 #define attend_item_amx attend_item /* a compiler without AMX intrinsics: never chosen (rc_amx is 0) */
+#define pack_keys_amx pack_keys
 #endif
 
 /* Pack keys [start, end) of KV head h into kp / vp (see attend_item); keys >= S are zero. */
@@ -578,7 +647,7 @@ int rc_paged_attention(const bf16_t *q, int64_t q_row, const bf16_t *kc, const b
             int64_t S = ctx_off[it.seq + 1] - ctx_off[it.seq], S_pad = (S + KB - 1) / KB * KB;
             uint32_t *kp = pack + pack_at[it.seq] + it.h * S_pad * D / 2;
             uint32_t *vp = pack + pack_at[it.seq] + (Hkv + it.h) * S_pad * D / 2;
-            pack_keys(kc, vc, Hkv * D, slots + ctx_off[it.seq], S, it.h, D, it.t0 * KB, (it.t0 + 1) * KB, kp, vp);
+            (amx ? pack_keys_amx : pack_keys)(kc, vc, Hkv * D, slots + ctx_off[it.seq], S, it.h, D, it.t0 * KB, (it.t0 + 1) * KB, kp, vp);
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < ni; w++) {
