@@ -27,7 +27,7 @@ import torch
 
 from ragcache_backend.cache.blocks import KVRun
 from ragcache_backend.errors import InvalidRequestError
-from ragcache_backend.model.kernels import rope_cos_sin
+from ragcache_backend.model.kernels import native, rope_cos_sin
 
 __all__ = ["HostKV", "KVArena"]
 
@@ -181,6 +181,11 @@ class KVArena:
         if src.length == 0:
             return
         s_slots, d_slots = self.slots([src]), self.slots([dst])
+        if delta and native.rerotate_copy_available(self.k_cache) and not set(src.blocks) & set(dst.blocks):
+            # each key row read and written once (the same bits as the ops below)
+            cos, sin = (t.reshape(-1, t.shape[-1]) if t.dim() > 1 else t for t in self._delta_tables(int(delta)))
+            native.rerotate_copy(self.k_cache, self.v_cache, s_slots, d_slots, cos.contiguous(), sin.contiguous())
+            return
         k = self.k_cache.index_select(1, s_slots)  # [L, T, Hkv, D]
         if delta:
             cos, sin = self._delta_tables(int(delta))  # [D] or [L, 1, 1, D]

@@ -46,3 +46,45 @@ def test_no_advice_off_the_cpu():
 def test_ragcache_huge_pages_0_leaves_the_arena_on_small_pages(monkeypatch):
     monkeypatch.setenv("RAGCACHE_HUGE_PAGES", "0")
     assert not advise_huge_pages(torch.empty(16 << 20, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_a_chunk_moved_by_the_native_kernel_has_the_bits_of_the_torch_ops(dtype, per_layer, monkeypatch):
+    """copy_rerotated (a reused chunk's KV to its new place, keys re-rotated by the position delta)
+    on the native kernel (csrc/rerotate.c) writes the bits the PyTorch ops write (float32 products
+    and sum, one rounding to the arena's dtype), for every layer, one RoPE table or one per layer
+    (layers with different bases), a move up and one down; values copied as they are, nothing else
+    touched; the same blocks as source and destination keep the torch path."""
+    from ragcache_backend.cache.blocks import KVRun
+    from ragcache_backend.model.kernels import native
+
+    if not native.rerotate_copy_available(torch.zeros(1, 16, 2, 64, dtype=dtype)):
+        pytest.skip(f"no native kernel library here: {native.unavailable_reason(dtype, 'cpu', 64)}")
+    g = torch.Generator().manual_seed(7)
+    inv = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
+    inv_freq = torch.stack([inv, inv * 0.5, inv * 2.0]) if per_layer else inv
+    arenas = [KVArena(3, 12, 16, 2, 64, dtype, torch.device("cpu"), inv_freq) for _ in range(2)]
+    for c in ("k_cache", "v_cache"):
+        data = torch.randn(3, 12 * 16, 2, 64, generator=g).to(dtype)
+        for a in arenas:
+            getattr(a, c).copy_(data)
+    src, dst = KVRun((1, 4), 5, 20), KVRun((7, 8, 9), 11, 20)
+    real = native.rerotate_copy_available
+    for delta in (37, -211):
+        calls = []
+        monkeypatch.setattr(native, "rerotate_copy_available", lambda k: calls.append(k) or real(k))
+        arenas[0].copy_rerotated(src, dst, delta)  # native
+        assert calls
+        monkeypatch.setattr(native, "rerotate_copy_available", lambda k: False)
+        arenas[1].copy_rerotated(src, dst, delta)  # the torch ops
+        assert torch.equal(arenas[0].k_cache, arenas[1].k_cache) and torch.equal(arenas[0].v_cache, arenas[1].v_cache)
+    moved = arenas[0].slots([dst])
+    assert not torch.equal(arenas[0].k_cache[:, moved], arenas[0].k_cache[:, arenas[0].slots([src])])  # keys did move
+    kernel = native.rerotate_copy
+    monkeypatch.setattr(native, "rerotate_copy", lambda *a: pytest.fail("overlapping runs must keep the torch path"))
+    monkeypatch.setattr(native, "rerotate_copy_available", real)
+    arenas[0].copy_rerotated(KVRun((1, 2), 0, 16), KVRun((2, 3), 0, 16), 5)
+    with pytest.raises(native.NativeKernelError):
+        kernel(arenas[0].k_cache, arenas[0].v_cache, torch.tensor([0, 1]), torch.tensor([12 * 16, 2]),
+                             torch.ones(64), torch.zeros(64))  # a slot past the arena

@@ -578,6 +578,47 @@ def amx_linear_silu(x: torch.Tensor, weight: AMXWeight) -> torch.Tensor:
     return out
 
 
+def rerotate_copy_available(k_cache: torch.Tensor) -> bool:
+    """Whether :func:`rerotate_copy` runs over this arena: a contiguous CPU float32 or bf16
+    ``[layers, slots, Hkv, D]`` arena (``D`` even, at most 512), the library built here."""
+    lib = library.load()
+    return (lib is not None and hasattr(lib, "rc_rerotate_copy") and k_cache.device.type == "cpu" and k_cache.dim() == 4
+            and k_cache.dtype in (torch.float32, torch.bfloat16) and k_cache.is_contiguous()
+            and k_cache.shape[-1] % 2 == 0 and k_cache.shape[-1] <= 512)
+
+
+def rerotate_copy(k_cache: torch.Tensor, v_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> None:
+    """Every layer's KV of slots ``src`` copied to slots ``dst``, keys rotated by ``cos`` / ``sin``
+    (a RoPE re-rotation, Cache-Craft §3.4.3: ``R(p + d) k = R(d) R(p) k``; ``csrc/rerotate.c``): the
+    bits of ``(k * cos + rotate_half(k) * sin)`` in float32 rounded once to the arena's dtype, as
+    :meth:`~ragcache_backend.model.arena.KVArena.copy_rerotated`'s PyTorch ops compute it, each key
+    row read and written once.
+
+    Args:
+        k_cache, v_cache: ``[L, slots, Hkv, D]`` float32 or bf16, contiguous (:func:`rerotate_copy_available`).
+        src, dst: ``[T]`` int64 slots (not overlapping).
+        cos, sin: float32 ``[D]``, or ``[L, D]`` one table per layer.
+
+    Raises:
+        NativeKernelError: the kernel is unavailable or the arguments do not fit it.
+    """
+    layers, slots, hkv, d = k_cache.shape
+    per_layer = cos.dim() == 2
+    _check(rerotate_copy_available(k_cache) and v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype
+           and v_cache.is_contiguous() and src.dtype == dst.dtype == torch.int64 and src.shape == dst.shape and src.dim() == 1
+           and cos.dtype == sin.dtype == torch.float32 and cos.shape == sin.shape and cos.is_contiguous() and sin.is_contiguous()
+           and cos.shape == ((layers, d) if per_layer else (d,))
+           and (src.numel() == 0 or (int(src.min()) >= 0 and int(src.max()) < slots and int(dst.min()) >= 0 and int(dst.max()) < slots)),
+           f"rerotate_copy: bad arguments kv={tuple(k_cache.shape)}/{k_cache.dtype} src={tuple(src.shape)} cos={tuple(cos.shape)}")
+    src, dst = src.contiguous(), dst.contiguous()
+    rc = library.load().rc_rerotate_copy(k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), layers, hkv, d, src.data_ptr(),
+                                         dst.data_ptr(), src.numel(), cos.data_ptr(), sin.data_ptr(), int(per_layer),
+                                         int(k_cache.dtype == torch.bfloat16), torch.get_num_threads())
+    if rc:
+        raise NativeKernelError(f"rerotate_copy failed with code {rc} (1: arguments)")
+
+
 class _LayerStruct(ctypes.Structure):
     """``rc32_layer_t`` of ``csrc/kernels_f32.c`` and ``rc_layer_t`` of ``csrc/decode_bf16.c`` (the same
     layout, pointers to float32 or bf16): one decoder layer's weights for :func:`decode_step`."""
