@@ -89,8 +89,9 @@ def test_rows_round_the_same_whatever_step_they_share():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_picked_rows_layer_takes_the_few_row_kernel_at_any_row_count(dtype):
     """The LM head (one row per sequence) runs every call on the native few-row kernel where it runs
-    (calls of up to 16 rows), so a row's logits are the same bits whatever else shares its step; the
-    decoder layers' GEMMs keep their rule (bf16: oneDNN only, for the prompts' K/V)."""
+    (calls of up to 16 rows), or on AMX CPUs in bf16 on our AMX GEMM (tiles of as many rows up to
+    16, padded 32-row blocks beyond), so a row's logits are the same bits whatever else shares its
+    step; the decoder layers' GEMMs keep their rule (bf16: oneDNN only, for the prompts' K/V)."""
     from ragcache_backend.model.kernels import native
 
     g = torch.Generator().manual_seed(4)
@@ -107,5 +108,8 @@ def test_a_picked_rows_layer_takes_the_few_row_kernel_at_any_row_count(dtype):
         got = head(x[:m])
         assert torch.equal(got, big[:m]), m  # alone, few or many: the same bits
         assert torch.equal(got[-1:], head(x[m - 1 : m])), m
-        if head.rows_kernel and m <= native.LINEAR_ROWS_MAX:
+        if head.amx is not None:
+            assert torch.equal(got, native.amx_linear(x[:m], head.amx)), m
+        elif head.rows_kernel and m <= native.LINEAR_ROWS_MAX:
             assert torch.equal(got, native.linear_rows(x[:m], w)), m
+    assert (head.amx is not None) == (dtype == torch.bfloat16 and native.amx_linear_available(w))

@@ -117,6 +117,9 @@ def _build(folder: Path | None = None) -> tuple[ctypes.CDLL | None, str]:
         lib.rc_amx_pack.argtypes = [ptr, i64, i64, ptr]
         lib.rc_amx_linear.restype = ctypes.c_int
         lib.rc_amx_linear.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ptr, nt]
+    if hasattr(lib, "rc_amx_linear_rows"):  # since 2026-11-28 (kernel_ab.py builds older revisions)
+        lib.rc_amx_linear_rows.restype = ctypes.c_int
+        lib.rc_amx_linear_rows.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ptr, nt]
     if hasattr(lib, "rc_amx_linear_silu"):  # since 2026-11-28 (kernel_ab.py builds older revisions)
         lib.rc_amx_linear_silu.restype = ctypes.c_int
         lib.rc_amx_linear_silu.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ptr, nt]

@@ -188,6 +188,8 @@ class Linear:
         rows (prompt and generated tokens alike: each row's bits its own) or rows outside any step."""
         if self.amx is None or x.dtype != torch.bfloat16:
             return False
+        if not self.per_step:  # rows picked out of a step (the LM head): any call
+            return True
         classes = _STEP_ROWS.get()
         return classes is None or classes.rows == x.shape[0]
 
@@ -330,7 +332,10 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, *, per_s
             many sequences share its step. Against oneDNN's packed GEMM, SmolLM2-135M's head
             (49,152 x 576) on a 2-core Zen 4 (2026-11-28, one call, medians of 9): bf16 0.56 / 0.60 /
             0.80x the time at 1 / 2 / 3 rows, 1.1-1.5x from 4 rows; float32 0.70x at 1-2 rows,
-            1.1-1.5x from 3. Otherwise float32 calls of up to
+            1.1-1.5x from 3. On AMX CPUs in bf16 every call takes our AMX GEMM instead (each row's bits
+            its own as well; 1-16 rows on tiles of as many rows: 0.27-0.91x the few-row kernel's
+            time for that head, :data:`~ragcache_backend.model.kernels.native.AMX_FEW_ROWS`).
+            Otherwise float32 calls of up to
             :data:`~ragcache_backend.model.kernels.native.LINEAR_ROWS_MAX` rows take it (decode rows)
             and bf16 calls never (a prompt row's K/V must keep the prompt GEMM's bits, whatever the
             call's size).
@@ -349,6 +354,9 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, *, per_s
     decode = per_step and not picked_rows and native_ok
     plain = Linear(weight, bias, per_step=per_step, rows_kernel=rows, rows_max=rows_max, decode_rows=decode)
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+        return plain
+    if picked_rows and weight.dtype == torch.bfloat16 and native.amx_linear_available(weight):
+        plain.amx = native.amx_pack(weight, bias)  # the LM head on AMX tiles: 1-16 rows 0.27-0.91x the few-row kernel's time
         return plain
     tiled = _AMX and weight.dtype in _REDUCED and per_step  # only a step's layer GEMMs run tiled (_by_class)
     if tiled and native.amx_linear_available(weight):  # prompt rows in one call of our AMX GEMM

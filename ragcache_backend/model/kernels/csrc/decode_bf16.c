@@ -122,10 +122,10 @@ TGT_BF16 int rc_linear_rows(const bf16_t *x, int64_t M, int64_t K, const bf16_t 
  * packed weight once), four 1 KB B tiles per 32 inputs against the one A tile, TDPBF16PS over K in
  * order: each output the same operations as rc_amx_linear's for the same row (its bits, whatever
  * M or the other rows), the bias (bf16, exact in float32) added, one bf16 rounding. N % 32 == 0. */
-TGT_AMX static void linear_tiles_for(const bf16_t *x, int64_t M, int64_t K, const bf16_t *wp, const bf16_t *b, int64_t N,
-                                     bf16_t *y) {
+TGT_AMX static void linear_tiles_for(const bf16_t *x, int64_t x_row, int64_t M, int64_t K, const bf16_t *wp, const bf16_t *b,
+                                     const float *b32, int64_t N, bf16_t *y) {
     float c[16 * 64] __attribute__((aligned(64)));
-    const int64_t xs = K * (int64_t)sizeof(bf16_t), blk = (K / 2) * 32; /* one 16-column block of wp */
+    const int64_t xs = x_row * (int64_t)sizeof(bf16_t), blk = (K / 2) * 32; /* one 16-column block of wp */
 #pragma omp for schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += 64) {
         const bf16_t *w0 = wp + (n0 / 16) * blk;
@@ -160,8 +160,8 @@ TGT_AMX static void linear_tiles_for(const bf16_t *x, int64_t M, int64_t K, cons
         _tile_stored(0, c, 64 * sizeof(float));
         _tile_stored(1, c + 16, 64 * sizeof(float));
         for (int64_t j = 0; j < cols; j += 32) {
-            const __m512 bl = b ? load_bf16(b + n0 + j) : _mm512_setzero_ps();
-            const __m512 bh = b ? load_bf16(b + n0 + j + 16) : _mm512_setzero_ps();
+            const __m512 bl = b ? load_bf16(b + n0 + j) : b32 ? _mm512_loadu_ps(b32 + n0 + j) : _mm512_setzero_ps();
+            const __m512 bh = b ? load_bf16(b + n0 + j + 16) : b32 ? _mm512_loadu_ps(b32 + n0 + j + 16) : _mm512_setzero_ps();
             for (int64_t m = 0; m < M; m++) {
                 const __m512 lo = _mm512_add_ps(_mm512_load_ps(c + m * 64 + j), bl);
                 const __m512 hi = _mm512_add_ps(_mm512_load_ps(c + m * 64 + j + 16), bh);
@@ -175,13 +175,35 @@ TGT_AMX static void tiles_begin(int64_t rows) { amx_configure_rows((int)rows); }
 TGT_AMX static void tiles_end(void) { _tile_release(); }
 #endif
 
+/* y [M, N] (contiguous) = x [M, K] (row stride x_row) W^T + bias (float32 [N] or NULL) for M <= 16,
+ * W packed by rc_amx_pack: linear_tiles_for on tiles of M rows, rc_amx_linear's bits for every row
+ * (which pads a call to 32-row blocks: at 1-2 rows the whole weight's TDPs for 32). Returns 0, 1
+ * on bad arguments, 3 where AMX does not run (rc_amx). */
+TGT_BF16 int rc_amx_linear_rows(const bf16_t *x, int64_t x_row, const bf16_t *wp, const float *bias, int64_t M, int64_t N,
+                                int64_t K, bf16_t *y, int nthreads) {
+    if (M < 1 || M > 16 || N < 32 || K < 32 || N % 32 || K % 32 || x_row < K || nthreads < 1) return 1;
+#ifdef RC_HAVE_AMX
+    if (!rc_amx(-1)) return 3;
+#pragma omp parallel num_threads(nthreads)
+    {
+        tiles_begin(M);
+        linear_tiles_for(x, x_row, M, K, wp, NULL, bias, N, y);
+        tiles_end();
+    }
+    return 0;
+#else
+    (void)x; (void)wp; (void)bias; (void)y;
+    return 3;
+#endif
+}
+
 /* A layer's linear: on AMX tiles where the layer has its weight packed for them (tiles not NULL),
  * else linear_for. */
 TGT_BF16 static inline void layer_linear(const bf16_t *x, int64_t M, int64_t K, const bf16_t *W, const bf16_t *tiles,
                                          const bf16_t *b, int64_t N, bf16_t *y) {
 #ifdef RC_HAVE_AMX
     if (tiles) {
-        linear_tiles_for(x, M, K, tiles, b, N, y);
+        linear_tiles_for(x, K, M, K, tiles, b, NULL, N, y);
         return;
     }
 #endif
