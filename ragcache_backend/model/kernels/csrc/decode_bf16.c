@@ -130,35 +130,28 @@ TGT_AMX static void linear_tiles_for(const bf16_t *x, int64_t x_row, int64_t M, 
     for (int64_t n0 = 0; n0 < N; n0 += 64) {
         const bf16_t *w0 = wp + (n0 / 16) * blk;
         const int64_t cols = N - n0 < 64 ? N - n0 : 64;
+        const int full = cols == 64; /* else the last 32 columns: tiles 0 and 1 only */
         _tile_zero(0);
         _tile_zero(1);
-        if (cols == 64) {
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int64_t k = 0; k < K; k += 32) {
-                _tile_loadd(4, x + k, xs);
-                _tile_loadd(5, w0 + k * 16, 64);
-                _tile_dpbf16ps(0, 4, 5);
-                _tile_loadd(6, w0 + blk + k * 16, 64);
-                _tile_dpbf16ps(1, 4, 6);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t k = 0; k < K; k += 32) {
+            _tile_loadd(4, x + k, xs);
+            _tile_loadd(5, w0 + k * 16, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_loadd(6, w0 + blk + k * 16, 64);
+            _tile_dpbf16ps(1, 4, 6);
+            if (full) {
                 _tile_loadd(7, w0 + 2 * blk + k * 16, 64);
                 _tile_dpbf16ps(2, 4, 7);
                 _tile_loadd(5, w0 + 3 * blk + k * 16, 64);
                 _tile_dpbf16ps(3, 4, 5);
             }
-            _tile_stored(2, c + 32, 64 * sizeof(float));
-            _tile_stored(3, c + 48, 64 * sizeof(float));
-        } else { /* the last 32 columns */
-            for (int64_t k = 0; k < K; k += 32) {
-                _tile_loadd(4, x + k, xs);
-                _tile_loadd(5, w0 + k * 16, 64);
-                _tile_dpbf16ps(0, 4, 5);
-                _tile_loadd(6, w0 + blk + k * 16, 64);
-                _tile_dpbf16ps(1, 4, 6);
-            }
         }
         _tile_stored(0, c, 64 * sizeof(float));
         _tile_stored(1, c + 16, 64 * sizeof(float));
+        _tile_stored(2, c + 32, 64 * sizeof(float));
+        _tile_stored(3, c + 48, 64 * sizeof(float));
         for (int64_t j = 0; j < cols; j += 32) {
             const __m512 bl = b ? load_bf16(b + n0 + j) : b32 ? _mm512_loadu_ps(b32 + n0 + j) : _mm512_setzero_ps();
             const __m512 bh = b ? load_bf16(b + n0 + j + 16) : b32 ? _mm512_loadu_ps(b32 + n0 + j + 16) : _mm512_setzero_ps();

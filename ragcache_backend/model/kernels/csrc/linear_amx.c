@@ -123,23 +123,30 @@ TGT_AMX static void linear_items(const bf16_t *x, int64_t x_row, const bf16_t *w
 }
 #endif
 
+/* linear_items with its scratch (the padded rows' copies), outside any parallel region; 0, 2 or 3
+ * as rc_amx_linear returns. */
+static int run_items(const bf16_t *x, int64_t x_row, const bf16_t *wp, const float *bias, int64_t M, int64_t N, int64_t K,
+                     bf16_t *y, int nthreads, int gated) {
+#ifdef RC_HAVE_AMX
+    if (!rc_amx(-1)) return 3;
+    bf16_t *pad = aligned_alloc(64, (size_t)nthreads * 32 * (size_t)K * sizeof(bf16_t));
+    if (!pad) return 2;
+    linear_items(x, x_row, wp, bias, M, N, K, y, pad, nthreads, gated);
+    free(pad);
+    return 0;
+#else
+    (void)x; (void)x_row; (void)wp; (void)bias; (void)M; (void)N; (void)K; (void)y; (void)nthreads; (void)gated;
+    return 3;
+#endif
+}
+
 /* y [M, N] bf16 (contiguous) = x [M, K] bf16 (row stride x_row) W^T + bias (float32 [N] or NULL),
  * wp: W packed by rc_amx_pack. Returns 0 on success, 1 if the arguments are out of range (N or K
  * not a multiple of 32, M < 1), 2 if out of memory, 3 if AMX does not run here (rc_amx). */
 int rc_amx_linear(const bf16_t *x, int64_t x_row, const bf16_t *wp, const float *bias, int64_t M, int64_t N, int64_t K,
                   bf16_t *y, int nthreads) {
     if (M < 1 || N < 32 || K < 32 || N % 32 || K % 32 || x_row < K || nthreads < 1) return 1;
-#ifdef RC_HAVE_AMX
-    if (!rc_amx(-1)) return 3;
-    bf16_t *pad = aligned_alloc(64, (size_t)nthreads * 32 * (size_t)K * sizeof(bf16_t));
-    if (!pad) return 2;
-    linear_items(x, x_row, wp, bias, M, N, K, y, pad, nthreads, 0);
-    free(pad);
-    return 0;
-#else
-    (void)x; (void)wp; (void)bias; (void)y;
-    return 3;
-#endif
+    return run_items(x, x_row, wp, bias, M, N, K, y, nthreads, 0);
 }
 
 /* y [M, I] bf16 (contiguous) = SiLU(x Wg^T + bg) * (x Wu^T + bu), the bits of rc_amx_linear's [M, 2 I]
@@ -148,15 +155,5 @@ int rc_amx_linear(const bf16_t *x, int64_t x_row, const bf16_t *wp, const float 
 int rc_amx_linear_silu(const bf16_t *x, int64_t x_row, const bf16_t *wp, const float *bias, int64_t M, int64_t I, int64_t K,
                        bf16_t *y, int nthreads) {
     if (M < 1 || I < 16 || K < 32 || I % 16 || K % 32 || x_row < K || nthreads < 1) return 1;
-#ifdef RC_HAVE_AMX
-    if (!rc_amx(-1)) return 3;
-    bf16_t *pad = aligned_alloc(64, (size_t)nthreads * 32 * (size_t)K * sizeof(bf16_t));
-    if (!pad) return 2;
-    linear_items(x, x_row, wp, bias, M, I, K, y, pad, nthreads, 1);
-    free(pad);
-    return 0;
-#else
-    (void)x; (void)wp; (void)bias; (void)y;
-    return 3;
-#endif
+    return run_items(x, x_row, wp, bias, M, I, K, y, nthreads, 1);
 }
