@@ -248,13 +248,6 @@ class PagedLlama:
         per-operation kernels (or the torch path) run them."""
         return self._decode_plan is not None
 
-    @property
-    def gemms_on_amx(self) -> bool:
-        """Whether every layer GEMM runs on our AMX GEMM (bf16 on CPUs with AMX; each row's bits its
-        own): a step's prompt rows and generated tokens' rows alike, and the whole-step decode's
-        GEMMs (:attr:`~ragcache_backend.model.kernels.linear.Linear.amx`)."""
-        return all(lin.amx is not None for w in self._weights for lin in (w.qkv, w.o_proj, w.gate_up, w.down_proj))
-
     @whole_step_decode.setter
     def whole_step_decode(self, on: bool) -> None:
         """Turn whole-step decode off (for A/B runs and tests: in float32 the per-operation kernels
@@ -284,6 +277,13 @@ class PagedLlama:
             why = "hidden or MLP size not a multiple of what the fused kernels tile"
         self.native_fused = self.native_fused and self.native_attention
         return why
+
+    @property
+    def gemms_on_amx(self) -> bool:
+        """Whether every layer GEMM runs on our AMX GEMM (bf16 on CPUs with AMX; each row's bits its
+        own): a step's prompt rows and generated tokens' rows alike, and the whole-step decode's
+        GEMMs (:attr:`~ragcache_backend.model.kernels.linear.Linear.amx`)."""
+        return all(lin.amx is not None for w in self._weights for lin in (w.qkv, w.o_proj, w.gate_up, w.down_proj))
 
     @property
     def layer_inv_freq(self) -> torch.Tensor:

@@ -88,3 +88,6 @@ def test_a_chunk_moved_by_the_native_kernel_has_the_bits_of_the_torch_ops(dtype,
     with pytest.raises(native.NativeKernelError):
         kernel(arenas[0].k_cache, arenas[0].v_cache, torch.tensor([0, 1]), torch.tensor([12 * 16, 2]),
                              torch.ones(64), torch.zeros(64))  # a slot past the arena
+    with pytest.raises(native.NativeKernelError):
+        kernel(arenas[0].k_cache, arenas[0].v_cache, torch.tensor([0, 1]), torch.tensor([1, 2]), torch.ones(64),
+               torch.zeros(64))  # slot 1 both read and written
