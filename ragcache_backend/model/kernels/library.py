@@ -112,17 +112,15 @@ def _build(folder: Path | None = None) -> tuple[ctypes.CDLL | None, str]:
     lib.rc32_linear_rows.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, nt]
     lib.rc_linear_rows.restype = ctypes.c_int
     lib.rc_linear_rows.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, nt]
-    if hasattr(lib, "rc_amx_linear"):  # not in an older revision's csrc/ (kernel_ab.py builds those)
+    if hasattr(lib, "rc_amx_pack"):  # not in an older revision's csrc/ (kernel_ab.py builds those)
         lib.rc_amx_pack.restype = None
         lib.rc_amx_pack.argtypes = [ptr, i64, i64, ptr]
-        lib.rc_amx_linear.restype = ctypes.c_int
-        lib.rc_amx_linear.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ptr, nt]
-    if hasattr(lib, "rc_amx_linear_rows"):  # since 2026-11-28 (kernel_ab.py builds older revisions)
-        lib.rc_amx_linear_rows.restype = ctypes.c_int
-        lib.rc_amx_linear_rows.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ptr, nt]
-    if hasattr(lib, "rc_amx_linear_silu"):  # since 2026-11-28 (kernel_ab.py builds older revisions)
-        lib.rc_amx_linear_silu.restype = ctypes.c_int
-        lib.rc_amx_linear_silu.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ptr, nt]
+    # our AMX GEMM's entry points (x, x_row, packed W, bias, M, N or I, K, y, threads), each missing
+    # from the revisions before it
+    for name in ("rc_amx_linear", "rc_amx_linear_rows", "rc_amx_linear_silu"):
+        if hasattr(lib, name):
+            getattr(lib, name).restype = ctypes.c_int
+            getattr(lib, name).argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ptr, nt]
     if hasattr(lib, "rc_rerotate_copy"):  # since 2026-11-28 (kernel_ab.py builds older revisions)
         lib.rc_rerotate_copy.restype = ctypes.c_int
         lib.rc_rerotate_copy.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, ptr, nt, nt, nt]

@@ -262,10 +262,8 @@ class Linear:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _tile_parts(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """:meth:`_tiled`'s outputs, one per call, before they are put together (one call on our
-        AMX GEMM where it runs: :attr:`amx`)."""
-        if self.amx is not None:
-            return [native.amx_linear(x, self.amx)]
+        """:meth:`_tiled`'s outputs, one per call, before they are put together (a layer on our AMX
+        GEMM never gets here: :meth:`__call__` sends all its step's rows there)."""
         rows = x.shape[0]
         full = rows - rows % ROW_TILE
         x = x.contiguous()

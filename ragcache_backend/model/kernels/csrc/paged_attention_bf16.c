@@ -8,7 +8,7 @@
  * qpos), over K[0..p_t], V[0..p_t].
  *
  * Arithmetic: QK^T and PV with VDPBF16PS (bf16 pairs, float32 accumulation), or on CPUs with AMX
- * with TDPBF16PS on tiles of 16 query rows (attend_item_amx, rc_amx); online softmax in
+ * with TDPBF16PS on tiles whose rows are keys, 16 queries across (attend_item_amx, rc_amx); online softmax in
  * float32 over key blocks of 64 starting at key 0; probabilities rounded to bf16 for PV as in
  * FlashAttention; output rounded once to bf16.
  *
@@ -55,7 +55,7 @@ int rc_supported(void) {
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
 }
 
-/* One query row's online-softmax step over a key block (attend_item, attend_item_amx): c holds its
+/* One query row's online-softmax step over a key block (attend_item): c holds its
  * 64 unscaled scores, the first valid (1 .. KB) inside its causal limit. Updates the row's largest
  * score *m and its sum *l, stores its probabilities rounded to bf16 (32 pairs of consecutive keys)
  * in pb, and returns the factor its earlier output sum is to be rescaled by (exactly 1 when the
