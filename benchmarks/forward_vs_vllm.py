@@ -6,11 +6,17 @@ Same bf16 weights (``benchmarks/models/smollm2-135m-bf16`` from ``convert_model.
 random token ids, ``--threads`` (2) each. vLLM (``bash benchmarks/setup_peers.sh vllm``) is one
 long-lived subprocess in its own venv (``vllm_forward_worker.py``: offline ``vllm.LLM``, prefix
 caching on, block size 32). Each round runs every measurement on both, alternating who goes first,
-on fresh ids shared by both; ours runs only once vLLM's processes are idle again. One untimed
+on fresh ids shared by both; each side starts only once vLLM's processes are idle again, after at
+least a second's idle: on a VM the first call after an idle second pays extra (2026-11-28, this
+2-core Xeon KVM guest: a 1.75 ms GEMM took 14-27 ms, ours and oneDNN's alike, the memory cold), so
+both start from the same state (before 2026-11-28 only ours did, and paid it alone). One untimed
 warm-up round; median (min) over rounds. Ours: ``ModelRunner.forward`` + argmax, timed alone. vLLM:
 wall time of ``LLM.generate`` (plus its engine-core timestamps, "vLLM core").
 
-* cold prefill, 1,000 tokens: vLLM's TTFT of a fresh prompt (``max_tokens=1``).
+* cold prefill, 1,000 tokens: vLLM's TTFT of a fresh prompt (``max_tokens=1``), each side's
+  timed pass right after an untimed one over other fresh ids, as the measurements below run an
+  untimed prefix or prompt pass first (without it, the timed pass was the first after the idle
+  second above: ours 443 ms and vLLM's 403 ms, against ~250 and ~320 ms warm).
 * 30 new tokens over 1,024 cached (32 full blocks; vLLM caches full blocks only): the prefix is
   computed untimed first; vLLM's ``num_cached_tokens`` is checked to be 1,024.
 * decode step, batch 1, 4, 8 and 16, 1,024 tokens of context each: ours ``--decode-steps`` N batched greedy
@@ -86,6 +92,9 @@ class Ours:
 
     def cold(self, cmd: dict) -> float:
         ids = cmd["ids"]
+        if cmd.get("warm_ids"):  # untimed, as the other measurements' first passes
+            with self._blocks(len(cmd["warm_ids"])) as (b,):
+                self._step([(cmd["warm_ids"], (), (KVRun(b, 0, len(cmd["warm_ids"])),))])
         with self._blocks(len(ids)) as (b,):
             t = time.perf_counter()
             self.first_token = self._step([(ids, (), (KVRun(b, 0, len(ids)),))])[0]
@@ -276,14 +285,14 @@ def rounds(ours: Ours, peer: VLLMPeer | None, args, res: dict, ids) -> str | Non
     res.update(vllm_core={}, cold_first_tokens=[], vllm_cpu_s_while_ours_ran=0.0, ours_wall_s=0.0, settle_s=0.0)
     for rnd in range(-1, args.repeats):  # round -1 is the warm-up
         for key in MEASUREMENTS:
-            cmd = ({"op": "cold", "ids": ids(COLD)} if key == "cold" else
+            cmd = ({"op": "cold", "ids": ids(COLD), "warm_ids": ids(COLD)} if key == "cold" else
                    {"op": "extend", "prefix": ids(CACHED), "new": ids(NEW)} if key == "extend" else
                    {"op": "decode", "prompts": [ids(CACHED) for _ in range(int(key.removeprefix("decode")))],
                     "steps": args.decode_steps})
             vtok = None
             for side in (("ours", "vllm") if rnd % 2 else ("vllm", "ours")):
+                res["settle_s"] += peer.settle() if peer else 0.0  # both sides from the same idle state
                 if side == "ours":
-                    res["settle_s"] += peer.settle() if peer else 0.0
                     c0, w0 = tree_cpu_s(peer.proc.pid) if peer else 0.0, time.perf_counter()
                     t = getattr(ours, cmd["op"])(cmd)
                     if peer:  # a check that vLLM stayed idle while ours ran
