@@ -105,7 +105,7 @@ def run_ours(loaded, profile, prompts, arrivals, system: OurSystem, *, device_by
                 rec.update(ttft_s=r.ttft_s, total_s=r.total_s, prompt_tokens=r.prompt_tokens,
                            cached_tokens=r.cached_tokens, device_hits=r.device_hits, host_hits=r.host_hits,
                            output_tokens=len(r.token_ids), sched_s=h.metrics.sched_s, kv_copy_s=h.metrics.kv_copy_s,
-                           queue_s=h.metrics.queue_s)
+                           guard_forward_s=h.metrics.guard_forward_s, queue_s=h.metrics.queue_s)
             records.append(rec)
         makespan = max(h.metrics.finished for h in handles) - t0
         stats = dataclasses.asdict(engine.stats)

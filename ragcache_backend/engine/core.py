@@ -71,7 +71,7 @@ class EngineStats:
 
     Attributes:
         steps: forward steps run.
-        forward_s: seconds inside ``runner.forward``.
+        forward_s: seconds inside ``runner.forward`` (the quality guard's second passes included).
         sched_s: seconds of scheduling (estimates, planning, admission, commit), KV copies excluded.
         finished, failed, cancelled: requests by outcome.
         retried: requests that failed before their first token and ran again by recomputation
@@ -362,10 +362,12 @@ class EngineCore:
         self.scheduler.start(req.rid, batch.prefill_tokens(req.plan, lease))
         return True
 
-    def _charge(self, m: RequestMetrics, t0: float, c0: float) -> None:
+    def _charge(self, m: RequestMetrics, t0: float, c0: float, forward_s: float = 0.0) -> None:
+        """Charge the time since ``t0`` to the request: KV copies (the cache's ``copy_s`` since ``c0``)
+        to ``kv_copy_s``, ``forward_s`` (a forward pass run meanwhile) to neither, the rest to ``sched_s``."""
         copy = self.cache.stats.copy_s - c0
         m.kv_copy_s += copy
-        m.sched_s += time.perf_counter() - t0 - copy
+        m.sched_s += time.perf_counter() - t0 - copy - forward_s
 
     def _prefill_input(self, p: StepPrefill):
         req = p.request
@@ -410,9 +412,9 @@ class EngineCore:
     def _after_prefill(self, req: Request, out: StepOutput, index: int) -> None:
         m = req.handle.metrics
         try:
-            t0, c0 = time.perf_counter(), self.cache.stats.copy_s
+            t0, c0, g0 = time.perf_counter(), self.cache.stats.copy_s, m.guard_forward_s
             logits = self._commit(req, out, index)
-            self._charge(m, t0, c0)
+            self._charge(m, t0, c0, m.guard_forward_s - g0)
             if req.keep_logits:
                 req.handle.first_logits = logits.clone()
         except Exception as exc:
@@ -449,7 +451,11 @@ class EngineCore:
             first = min(flagged)
             req.guard_tokens = batch.rows_from(layout, first, req.rest_tokens, depth, self.runner.num_layers)
             item, layout = batch.prefill_input(req.plan, lease, rule=req.recompute, guard=False, full=flagged)
+            t1 = time.perf_counter()
             again = self.runner.forward_step([item])
+            spent = time.perf_counter() - t1
+            req.handle.metrics.guard_forward_s += spent  # a forward pass: not scheduling (see _after_prefill)
+            self.stats.forward_s += spent
             logits, attention, depth = again.logits[0], again.attention[0], again.depth[0]
             for i in flagged:  # computed in full now: no longer served from a variant
                 lease.pieces[i].use = None

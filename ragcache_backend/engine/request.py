@@ -168,7 +168,8 @@ class RequestMetrics:
     ``sched_s`` is the scheduling overhead charged to the request (RAGCache Table 4's scope): its
     share of the reordering estimate and planning, its admission (match, lock, allocate, evict)
     and its commit (insert + PGDSF update). KV copies between tiers made meanwhile are data
-    movement, counted apart in ``kv_copy_s``.
+    movement, counted apart in ``kv_copy_s``; the chunk modes' quality guard's second forward of the
+    request (when it flags a reused chunk) is a forward pass, counted apart in ``guard_forward_s``.
     """
 
     submitted: float = 0.0
@@ -177,6 +178,7 @@ class RequestMetrics:
     finished: float = 0.0
     sched_s: float = 0.0
     kv_copy_s: float = 0.0
+    guard_forward_s: float = 0.0
     admit_attempts: int = 0
     computed_tokens: int = 0
     generated_tokens: int = 0

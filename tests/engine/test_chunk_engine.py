@@ -4,6 +4,7 @@ exactness limits (recompute everything = full recomputation), the guard, bad inp
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -186,9 +187,17 @@ def test_a_retried_chunk_request_reports_no_chunk_records_of_its_failed_attempt(
     assert_clean(eng)
 
 
-def test_the_guards_second_pass_starts_at_the_first_flagged_chunk_and_is_counted(tiny_model, fixed_profile):
+def test_the_guards_second_pass_starts_at_the_first_flagged_chunk_and_is_counted(tiny_model, fixed_profile, monkeypatch):
     eng = make(tiny_model, fixed_profile, chunk_guard=1e-6, chunk_recompute="share", chunk_share=0.2)
     eng.generate("What is the GIL?", DOCS[:3], GREEDY)
+    forward = eng.runner.forward_step
+
+    def slow(*a, **kw):  # every forward 0.3 s longer: the second pass must not count as scheduling
+        time.sleep(0.3)
+        return forward(*a, **kw)
+
+    monkeypatch.setattr(eng.runner, "forward_step", slow)
+    forward_before = eng.stats.forward_s
     # DOCS[0] is the tree's exact prefix, DOCS[3] is new (computed in full), DOCS[1] moved: reused, flagged
     docs = [DOCS[0], DOCS[3], DOCS[1]]
     segs, _ = eng.segments_for("What is the GIL?", docs, GREEDY)
@@ -205,6 +214,12 @@ def test_the_guards_second_pass_starts_at_the_first_flagged_chunk_and_is_counted
     # DOCS[1]'s rows and the tail only (DOCS[3] keeps its KV)
     assert tail <= out.guard_tokens <= round(0.2 * moved) + 1 + tail and out.guard_tokens < new_doc
     assert out.computed_tokens == new_doc + moved + tail
+    # the second pass is a forward: in guard_forward_s and the engine's forward_s, not in sched_s
+    assert handle.metrics.guard_forward_s >= 0.3 and handle.metrics.sched_s < 0.3
+    assert eng.stats.forward_s - forward_before >= 0.3 + handle.metrics.guard_forward_s
+    unguarded = eng.submit_segments(eng.segments_for("What is the GIL?", DOCS[2:4], GREEDY)[0], GREEDY, reuse="exact")
+    unguarded.result()
+    assert unguarded.metrics.guard_forward_s == 0.0
     assert_clean(eng)
 
 
