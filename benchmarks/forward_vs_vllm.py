@@ -16,7 +16,7 @@ wall time of ``LLM.generate`` (plus its engine-core timestamps, "vLLM core").
 * cold prefill, 1,000 tokens: vLLM's TTFT of a fresh prompt (``max_tokens=1``), each side's
   timed pass right after an untimed one over other fresh ids, as the measurements below run an
   untimed prefix or prompt pass first (without it, the timed pass was the first after the idle
-  second above: ours 443 ms and vLLM's 403 ms, against ~250 and ~320 ms warm).
+  second above: ours 443 ms and vLLM's 403 ms, against 253-265 and 291-303 ms warm).
 * 30 new tokens over 1,024 cached (32 full blocks; vLLM caches full blocks only): the prefix is
   computed untimed first; vLLM's ``num_cached_tokens`` is checked to be 1,024.
 * decode step, batch 1, 4, 8 and 16, 1,024 tokens of context each: ours ``--decode-steps`` N batched greedy
