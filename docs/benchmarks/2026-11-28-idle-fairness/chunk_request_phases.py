@@ -10,7 +10,7 @@ forward time during the request), a few of the 24:
 83: ttft 0.898 wall 0.913 queue 0.042 sched 0.030 kv_copy 0.176 computed 1254 hits 8 guard 0 fwd_delta 0.851
 (requests 76 and 79: the guard's second pass is inside sched, as the notes of the section before say.)
 """
-import sys, time, types, random, statistics
+import sys, time, types
 sys.path.insert(0, "benchmarks"); sys.path.insert(0, ".")
 import torch
 from chunk_eval import trace
@@ -18,7 +18,6 @@ from ragcache_backend.config import EngineConfig
 from ragcache_backend.engine.engine import RAGCacheEngine
 from ragcache_backend.model.loader import load_model
 from ragcache_backend.model.sampling import SamplingParams
-from ragcache_backend.model.runner import ForwardInput, KVRun
 torch.set_num_threads(2)
 MiB = 1 << 20
 args = types.SimpleNamespace(k_min=5, k_max=8, mmlu=200, zipf=1.0, question_first=True, library=True, seed=0, warmup=60, requests=24)
@@ -32,19 +31,14 @@ segs = [eng.segments_for(q, docs, one, question_first=True)[0] for q, _src, docs
 for ss in segs[:60]:
     eng.submit_segments(ss, one, recompute=rule).result()
 print("warm-up done", flush=True)
-core = eng._core if hasattr(eng, "_core") else None
-runner = None
-for name in ("runner", "_runner"):
-    runner = getattr(eng, name, None) or runner
-print("runner", type(runner))
 for i in range(60, 84):
     time.sleep(1.0)
-    st0 = eng.stats.forward_s if hasattr(eng, "stats") else 0
+    st0 = eng.stats.forward_s
     t = time.perf_counter()
     h = eng.submit_segments(segs[i], one, recompute=rule)
     res = h.result()
     wall = time.perf_counter() - t
     m = h.metrics
     print(f"{i}: ttft {res.ttft_s:.3f} wall {wall:.3f} queue {m.queue_s:.3f} sched {m.sched_s:.3f} kv_copy {m.kv_copy_s:.3f} "
-          f"computed {res.computed_tokens} hits {res.chunk_hits} guard {res.guard_tokens} fwd_delta {(eng.stats.forward_s - st0) if hasattr(eng,'stats') else -1:.3f}", flush=True)
+          f"computed {res.computed_tokens} hits {res.chunk_hits} guard {res.guard_tokens} fwd_delta {eng.stats.forward_s - st0:.3f}", flush=True)
 eng.close()

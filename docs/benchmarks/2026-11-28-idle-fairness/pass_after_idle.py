@@ -7,11 +7,11 @@ warm {'embed': 1.5, 'add_rms_norm': 14.8, 'Linear': 86.6, 'rope_write': 6.7, 'pa
 idle {'embed': 3.7, 'add_rms_norm': 19.6, 'Linear': 117.4, 'rope_write': 10.5, 'paged_attention': 58.3, 'Linear.silu': 104.2, 'run': 314.6, 'logits': 11.0, 'forward': 351.8, 'PASS': 358.9}
 The GEMMs (reading the weights) take the extra time; the attention (reading what the pass wrote) none.
 """
-import random, statistics, sys, time, collections
+import random, sys, time, collections
 sys.path.insert(0, "benchmarks"); sys.path.insert(0, ".")
 from forward_vs_vllm import MODEL_DIR, MiB, Ours
 from ragcache_backend import EngineConfig, RAGCacheEngine
-from ragcache_backend.model.kernels import native, amx_gemm
+from ragcache_backend.model.kernels import native
 from ragcache_backend.model.kernels.linear import Linear
 import ragcache_backend.model.llama as llama
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 1000
