@@ -142,15 +142,16 @@ def _penalise(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence
               generated: Sequence[int]) -> torch.Tensor:
     vocab = logits.shape[-1]
     if params.logit_bias:
-        ids = torch.tensor([t for t, _ in params.logit_bias if t < vocab], dtype=torch.long)
-        values = torch.tensor([b for t, b in params.logit_bias if t < vocab], dtype=logits.dtype)
+        ids = torch.tensor([t for t, _ in params.logit_bias if t < vocab], dtype=torch.long, device=logits.device)
+        values = torch.tensor([b for t, b in params.logit_bias if t < vocab], dtype=logits.dtype, device=logits.device)
         logits.index_add_(0, ids, values)
     if params.repetition_penalty != 1.0 and (prompt_ids or generated):
-        seen = torch.tensor(sorted(set(prompt_ids) | set(generated)), dtype=torch.long)
+        seen = torch.tensor(sorted(set(prompt_ids) | set(generated)), dtype=torch.long, device=logits.device)
         row = logits[seen]
         logits[seen] = torch.where(row > 0, row / params.repetition_penalty, row * params.repetition_penalty)
     if generated and (params.presence_penalty or params.frequency_penalty):
-        counts = torch.bincount(torch.tensor(generated, dtype=torch.long), minlength=vocab)[:vocab].to(logits.dtype)
+        counts = torch.bincount(torch.tensor(generated, dtype=torch.long, device=logits.device),
+                                minlength=vocab)[:vocab].to(logits.dtype)
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
     return logits
 
@@ -177,7 +178,7 @@ def choose_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     raw = logits.float()
     work = _penalise(raw.clone(), params, prompt_ids, generated) if params.penalised else raw
     if allowed is not None and bool(allowed.any()):
-        work = work.masked_fill(~allowed, float("-inf"))
+        work = work.masked_fill(~allowed.to(work.device), float("-inf"))  # the matcher's mask is on the CPU
     if params.temperature == 0.0:
         token = int(torch.argmax(work).item())
     else:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ragcache_backend.errors import InvalidRequestError
+from ragcache_backend.model.loader import default_device
 from ragcache_backend.model.sampling import SamplingParams, choose_token
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, -1.0, -3.0])
@@ -58,6 +59,26 @@ def test_a_grammar_mask_limits_the_choice():
     allowed = torch.tensor([False, False, True, True, False])
     assert choose_token(LOGITS, SamplingParams(), None, allowed=allowed).token == 2
     assert draws(SamplingParams(temperature=1.0), allowed=allowed) == {2, 3}
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(logit_bias={4: 100}),
+    SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5),
+    SamplingParams(logprobs=3),
+    SamplingParams(temperature=0.8, top_k=3, top_p=0.9, min_p=0.05, seed=5),
+])
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_every_parameter_on_the_engines_device_chooses_as_on_the_cpu(params, with_mask):
+    """The engine's logits live on its device (``cuda`` where one is visible: the GPU check runs this
+    there) while the grammar's mask, the history and the seeded generator are the CPU's."""
+    allowed = torch.tensor([False, True, True, True, True]) if with_mask else None
+    kw = {"prompt_ids": [0, 1], "generated": [1, 1, 2], "allowed": allowed}
+    on_cpu = choose_token(LOGITS, params, torch.Generator().manual_seed(5), **kw)
+    on_device = choose_token(LOGITS.to(default_device()), params, torch.Generator().manual_seed(5), **kw)
+    assert on_device.token == on_cpu.token
+    if params.logprobs:
+        assert math.isclose(on_device.logprob, on_cpu.logprob, rel_tol=1e-5)
+        assert [t.token for t in on_device.top] == [t.token for t in on_cpu.top]
 
 
 def test_seeded_draws_repeat():
