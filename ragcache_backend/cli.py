@@ -49,6 +49,7 @@ err = Console(stderr=True)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 POLICIES = ("pgdsf", "gdsf", "lru", "lfu")
 REUSE_MODES = ("exact", "chunk", "auto")
+HOST_COMMITS = ("background", "lazy")
 #: Short dtype names, as :func:`ragcache_backend.model.loader.parse_dtype` also accepts them.
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -470,6 +471,10 @@ def serve(
                                         metavar="[exact|chunk|auto]", help="default reuse mode of a request (default exact)"),
     device_mib: Optional[int] = typer.Option(None, "--device-mib", min=1, help="device tier budget, MiB (default 512)"),
     host_mib: Optional[int] = typer.Option(None, "--host-mib", min=0, help="host tier budget, MiB (default 2048; 0: off)"),
+    host_commit: Optional[str] = typer.Option(None, "--host-commit", parser=NameChoice("host commit", HOST_COMMITS),
+                                              metavar="[background|lazy]",
+                                              help="the host tier's memory committed from start by a low-priority thread, "
+                                                   "or as it fills (default background)"),
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", callback=lambda v: _not_a_file(v) if v is not None else v,
                                              help="disk KV tier folder (default: $RAGCACHE_HOME/kv)"),
     disk_cache: Optional[bool] = typer.Option(None, "--disk-cache/--no-disk-cache", help="disk KV tier on or off (default on)"),
@@ -522,7 +527,7 @@ def serve(
             raise InvalidRequestError(f"ragcache serve needs the serve extra (pip install 'ragcache-kv[serve]'): {exc}") from None
         settings = load_settings(
             config_file, host=host, port=port, model=model, dtype=dtype, threads=threads, policy=policy, reuse=reuse,
-            device_mib=device_mib, host_mib=host_mib, cache_dir=cache_dir, disk_cache=disk_cache,
+            device_mib=device_mib, host_mib=host_mib, host_commit=host_commit, cache_dir=cache_dir, disk_cache=disk_cache,
             disk_budget_mib=disk_budget_mib, remote_url=remote_url, max_batch_size=max_batch_size,
             max_batch_tokens=max_batch_tokens, max_queue=max_queue,
             served_model_name=served_model_name, default_max_tokens=default_max_tokens, drain_timeout=drain_timeout,

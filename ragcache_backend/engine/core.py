@@ -126,6 +126,7 @@ class EngineCore:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[int, Request] = {}
         self._step_lock = threading.RLock()  # held for a whole step; also by reset_cache
+        self._arena_commit = parts.runner.arena.commit_in_background() if parts.config.host_commit == "background" else None
         self._thread: threading.Thread | None = None
         self._thread_lock = threading.Lock()
         self._closing = False
@@ -628,6 +629,8 @@ class EngineCore:
     def close(self, *, cancel: bool = False, timeout: float | None = None) -> None:
         """Stop taking requests; finish (or with ``cancel`` cancel) those in flight; join the loop."""
         self._closing = True
+        if self._arena_commit is not None:
+            self._arena_commit.stop()
         if cancel:
             for rid in list(self._live):
                 self.cancel(rid)

@@ -20,6 +20,7 @@ import ctypes.util
 import logging
 import os
 import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,11 +30,21 @@ from ragcache_backend.cache.blocks import KVRun
 from ragcache_backend.errors import InvalidRequestError
 from ragcache_backend.model.kernels import native, rope_cos_sin
 
-__all__ = ["HostKV", "KVArena"]
+__all__ = ["BackgroundCommit", "HostKV", "KVArena"]
 
 log = logging.getLogger(__name__)
 _HUGE = 2 << 20  # a transparent huge page on x86-64 Linux, bytes
 _MADV_HUGEPAGE = 14
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+_COMMIT_SLICE = 64 << 20  # bytes per madvise call of a background commit (it checks for stop between them)
+
+
+def _libc() -> ctypes.CDLL | None:
+    """The C library (None where it cannot be loaded)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
 
 
 def advise_huge_pages(t: torch.Tensor) -> bool:
@@ -50,14 +61,80 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
     end = (t.data_ptr() + t.numel() * t.element_size()) // _HUGE * _HUGE
     if end <= start:
         return False
+    libc = _libc()
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        ok = libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE) == 0
-    except (OSError, AttributeError):
+        ok = libc is not None and libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE) == 0
+    except AttributeError:
         return False
     if not ok:
         log.debug("madvise(MADV_HUGEPAGE) refused (errno %d): the arena stays on 4 KiB pages", ctypes.get_errno())
     return ok
+
+
+class BackgroundCommit:
+    """The arena's uncommitted part (a shared pool's host part) committed by a daemon thread at
+    nice 19, slice by slice, with ``madvise(MADV_POPULATE_WRITE)``: the pages are faulted in and
+    zeroed by the kernel as a first write would, without the thread touching their contents, so it
+    never races with the engine writing KV into blocks it already holds. Requests then do not pay
+    the first-touch page faults in their forward passes (on a 2-core VM a chunk-reuse request spent
+    ~11% of its samples zeroing fresh pages: 0.86x the mean TTFT with the pool committed, 2026-11-28);
+    vLLM commits its whole KV cache at start the same way (``torch.zeros``).
+
+    Started by :meth:`KVArena.commit_in_background`; :meth:`stop` ends it early (engine close).
+    Does nothing off Linux, for non-CPU arenas, or where the kernel refuses the advice (older than
+    5.14: ``EINVAL``); :attr:`error` then says why.
+
+    Attributes:
+        total_bytes: bytes to commit (the uncommitted part of K and V over every layer).
+        committed_bytes: bytes committed so far.
+        error: why it stopped before the end (None: it finished, or runs).
+    """
+
+    def __init__(self, ranges: list[tuple[int, int]], keep: tuple[torch.Tensor, ...]) -> None:
+        self.total_bytes = sum(n for _, n in ranges)
+        self.committed_bytes = 0
+        self.error: str | None = None
+        self._ranges, self._keep = ranges, keep  # the tensors stay alive while the thread runs
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ragcache-arena-commit", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from ragcache_backend.cache.disk import lower_thread_priority  # the disk writers' helper
+
+        lower_thread_priority(19)
+        libc = _libc()
+        if libc is None:
+            self.error = "libc not found"
+            return
+        for start, length in self._ranges:
+            off = 0
+            while off < length:
+                if self._stop.is_set():
+                    return
+                n = min(_COMMIT_SLICE, length - off)
+                if libc.madvise(ctypes.c_void_p(start + off), ctypes.c_size_t(n), _MADV_POPULATE_WRITE) != 0:
+                    self.error = f"madvise(MADV_POPULATE_WRITE) failed: errno {ctypes.get_errno()}"
+                    log.debug("background commit of the arena stopped: %s", self.error)
+                    return
+                off += n
+                self.committed_bytes += n
+        self._keep = ()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the thread; True when it has ended."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def stop(self) -> None:
+        """Stop after the slice in progress and wait for the thread."""
+        self._stop.set()
+        self._thread.join()
+        self._keep = ()
 
 
 @dataclass(slots=True)
@@ -90,7 +167,8 @@ class KVArena:
             ``[head_dim / 2]``, or ``[num_layers, head_dim / 2]`` when layers differ (Gemma 3's local
             layers rotate with another base than its global ones).
         committed_blocks: blocks committed (zeroed, touched) at construction, from block 0; the
-            rest (the host tier's part of a shared pool) is committed as it is written. None: all.
+            rest (the host tier's part of a shared pool) is committed as it is written, or by
+            :meth:`commit_in_background`. None: all.
 
     The device part is allocated and touched up front: its memory is committed at construction.
 
@@ -100,7 +178,7 @@ class KVArena:
     """
 
     __slots__ = ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim", "dtype", "device", "inv_freq",
-                 "k_cache", "v_cache")
+                 "k_cache", "v_cache", "committed_blocks")
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, inv_freq: torch.Tensor, committed_blocks: int | None = None) -> None:
@@ -114,6 +192,7 @@ class KVArena:
         self.inv_freq = inv_freq
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
         committed = num_blocks if committed_blocks is None else min(num_blocks, committed_blocks)
+        self.committed_blocks = committed
         # the device part is zeroed (committed) up front, a bounded budget as vLLM's, so its first
         # write never pays the page faults of lazily committed memory; the host part of a shared
         # pool is committed as the host tier fills, in huge pages where Linux gives them
@@ -122,6 +201,24 @@ class KVArena:
         for cache in (self.k_cache, self.v_cache):
             advise_huge_pages(cache)
             cache[:, : committed * block_size].zero_()
+
+    def commit_in_background(self) -> BackgroundCommit | None:
+        """Commit the blocks past ``committed_blocks`` (a shared pool's host part) in a background
+        thread (:class:`BackgroundCommit`); None when there are none, off Linux or off the CPU."""
+        if self.committed_blocks >= self.num_blocks or self.device.type != "cpu" or sys.platform != "linux":
+            return None
+        row = self.num_kv_heads * self.head_dim * self.k_cache.element_size()  # bytes per slot
+        first, layer_bytes = self.committed_blocks * self.block_size * row, self.num_blocks * self.block_size * row
+        page = os.sysconf("SC_PAGE_SIZE")
+        ranges = []
+        for cache in (self.k_cache, self.v_cache):
+            for layer in range(self.num_layers):
+                lo = cache.data_ptr() + layer * layer_bytes + first
+                hi = cache.data_ptr() + (layer + 1) * layer_bytes
+                lo = -(-lo // page) * page  # madvise takes whole pages (the one at the edge is committed)
+                if hi > lo:
+                    ranges.append((lo, hi - lo))
+        return BackgroundCommit(ranges, (self.k_cache, self.v_cache)) if ranges else None
 
     # ---- sizes -------------------------------------------------------------------------------
     @property

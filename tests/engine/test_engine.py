@@ -187,6 +187,26 @@ def test_host_tier_swap_out_once_and_host_hits(tiny_model, fixed_profile, in_are
     assert segs_tokens
 
 
+def test_a_background_commit_of_the_host_part_changes_no_answer_and_ends_with_close(tiny_model, fixed_profile):
+    """host_commit='background' (ragcache serve's default): a thread commits the shared pool's host
+    part while requests write into it; the answers are the lazy engine's, and close() ends the thread."""
+    per_block = kv_bytes_per_token(tiny_model) * 16
+    docs = [f"Document number {i} talks about topic {i}. " * 20 for i in range(6)]
+    budgets = dict(device_budget_bytes=per_block * 60, host_budget_bytes=512 << 20)  # a host part that takes a while
+    lazy = make_engine(tiny_model, fixed_profile, **budgets)
+    background = make_engine(tiny_model, fixed_profile, host_commit="background", **budgets)
+    try:
+        for _ in range(2):
+            for i in range(6):
+                assert background.generate(f"question {i}", [docs[i]], GREEDY).token_ids == \
+                    lazy.generate(f"question {i}", [docs[i]], GREEDY).token_ids
+        assert background.cache.stats.host_hits > 0 or tiny_model.device.type != "cpu"
+    finally:
+        background.close()
+        lazy.close()
+    assert not any(t.name == "ragcache-arena-commit" for t in threading.enumerate())
+
+
 def test_streaming_matches_generate_and_cancel_frees_blocks(engine):
     full = engine.generate("What is a decorator?", DOCS, GREEDY)
     chunks = list(engine.stream("What is a decorator?", DOCS, GREEDY))

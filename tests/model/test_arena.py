@@ -1,9 +1,14 @@
 """The KV arena's memory: the device part committed (zeroed) up front, the shared pool's host part
-left to be committed as it fills, both advised onto transparent huge pages where Linux has them."""
+left to be committed as it fills or committed by a background thread, both advised onto transparent
+huge pages where Linux has them."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,9 +20,20 @@ THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 _THP_ON = sys.platform == "linux" and THP.exists() and "[never]" not in THP.read_text()
 
 
-def _arena(committed: int | None) -> KVArena:
-    return KVArena(num_layers=2, num_blocks=64, block_size=16, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16,
+def _arena(committed: int | None, blocks: int = 64) -> KVArena:
+    return KVArena(num_layers=2, num_blocks=blocks, block_size=16, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16,
                    device=torch.device("cpu"), inv_freq=torch.ones(32), committed_blocks=committed)
+
+
+def resident_share(t: torch.Tensor) -> float:
+    """Share of ``t``'s whole pages that Linux has in memory (``mincore``)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    page = os.sysconf("SC_PAGE_SIZE")
+    lo = -(-t.data_ptr() // page) * page
+    hi = (t.data_ptr() + t.numel() * t.element_size()) // page * page
+    vec = (ctypes.c_ubyte * ((hi - lo) // page))()
+    assert libc.mincore(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec) / len(vec)
 
 
 @pytest.mark.parametrize("committed", [None, 0, 10, 64])
@@ -91,3 +107,40 @@ def test_a_chunk_moved_by_the_native_kernel_has_the_bits_of_the_torch_ops(dtype,
     with pytest.raises(native.NativeKernelError):
         kernel(arenas[0].k_cache, arenas[0].v_cache, torch.tensor([0, 1]), torch.tensor([1, 2]), torch.ones(64),
                torch.zeros(64))  # slot 1 both read and written
+
+
+_LINUX = pytest.mark.skipif(sys.platform != "linux", reason="MADV_POPULATE_WRITE and mincore are Linux's")
+
+
+@_LINUX
+def test_the_host_part_is_committed_in_the_background_without_touching_what_is_written():
+    arena = _arena(4, blocks=4096)  # 4 committed blocks, 4,092 of the host part: 32 MiB each of K and V,
+    host = arena.k_cache[:, 4 * 16:]  # above glibc's largest mmap threshold: fresh pages
+    assert resident_share(arena.v_cache[:, 4 * 16:]) < 0.5  # not committed yet
+    arena.k_cache[:, 100 * 16:110 * 16] = 3  # blocks the engine wrote before the thread reached them
+    before = arena.v_cache[:, 4 * 16:].clone()  # whatever the uncommitted memory holds (never read unwritten)
+    commit = arena.commit_in_background()
+    assert commit is not None and commit.join(timeout=30)
+    if commit.error is not None and "errno 22" in commit.error:
+        pytest.skip(f"this kernel is older than 5.14 ({commit.error})")
+    host_bytes = 2 * host.numel() * host.element_size()  # K and V; less a page at each layer's edge
+    assert commit.error is None and commit.committed_bytes == commit.total_bytes >= host_bytes - 4 * os.sysconf("SC_PAGE_SIZE")
+    assert resident_share(arena.k_cache[:, 4 * 16:]) == 1.0 and resident_share(arena.v_cache[:, 4 * 16:]) == 1.0
+    assert arena.k_cache[:, 100 * 16:110 * 16].eq(3).all()  # written blocks kept
+    assert torch.equal(arena.v_cache[:, 4 * 16:].view(torch.int16), before.view(torch.int16))  # contents unchanged
+
+
+def test_nothing_to_commit_when_the_whole_arena_is_committed_or_off_the_cpu():
+    assert _arena(None).commit_in_background() is None
+    assert _arena(64).commit_in_background() is None
+
+
+@_LINUX
+def test_a_background_commit_stops_when_asked():
+    arena = KVArena(num_layers=4, num_blocks=4096, block_size=16, num_kv_heads=2, head_dim=64, dtype=torch.float32,
+                    device=torch.device("cpu"), inv_freq=torch.ones(32), committed_blocks=1)  # 128 MiB each of K, V
+    commit = arena.commit_in_background()
+    t = time.perf_counter()
+    commit.stop()
+    assert not commit.running and time.perf_counter() - t < 10
+    assert commit.committed_bytes <= commit.total_bytes

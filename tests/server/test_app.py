@@ -265,6 +265,10 @@ def test_settings_precedence(tmp_path, monkeypatch):
     assert (settings.port, settings.max_queue, settings.reuse, settings.log_level) == (7100, 3, "exact", "debug")
     assert settings.engine_config().disk_dir == settings.disk_dir and settings.disk_dir is not None
     assert load_settings(None, disk_cache=False).engine_config().disk_dir is None
+    assert settings.engine_config().host_commit == "background"  # a server commits its host tier from start
+    monkeypatch.setenv("RAGCACHE_HOST_COMMIT", "lazy")
+    assert load_settings(None).engine_config().host_commit == "lazy"
+    assert load_settings(None, host_commit="background").engine_config().host_commit == "background"
     (tmp_path / "serve.json").write_text(json.dumps({"port": 7200, "api_key": "k"}))
     monkeypatch.delenv("RAGCACHE_PORT")
     from_json = load_settings(tmp_path / "serve.json")
@@ -293,6 +297,7 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
     (["serve", "smollm2", "--model", "/tmp"], "two models given"),
     (["serve", "--config", "/no/such/file.toml"], "--config"),
     (["ask", "q", "--disk-budget-mib", "-1"], "--disk-budget-mib"),
+    (["serve", "--host-commit", "eager"], "unknown host commit"),
 ])
 def test_serve_options_checked_before_loading(capsys, monkeypatch, argv, needle):
     monkeypatch.setattr(cli, "_engine", lambda *a, **k: pytest.fail("the model must not load"))
