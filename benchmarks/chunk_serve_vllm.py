@@ -76,8 +76,8 @@ def main() -> None:
     cfg = EngineConfig(reuse="auto", chunk_alpha=args.alpha, dtype=args.dtype, threads=args.threads,
                        device_budget_bytes=args.device_mib * MiB, host_budget_bytes=args.host_mib * MiB,
                        max_batch_size=16, max_batch_tokens=32768, host_commit="background", **guard)
-    # host_commit: as `ragcache serve` (and vLLM, whose KV cache is zeroed at start), the host part
-    # of the pool is committed from start, not by the first requests that write into it
+    # host_commit: as `ragcache serve` does, the host part of the pool is committed from start by a
+    # low-priority thread, not by the first requests that write into it
     chunk = RAGCacheEngine(cfg, loaded=loaded)
     rule = cfg.recompute_rule()
     one = SamplingParams(max_tokens=1)

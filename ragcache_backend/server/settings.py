@@ -68,7 +68,7 @@ class ServerSettings(CacheSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="weights and KV dtype; auto: bfloat16 where the native bf16 kernels run the model, else float32 (EngineConfig.dtype)")
     threads: int | None = Field(None, ge=1, description="torch threads; None = torch's default")
     device_mib: int = Field(512, ge=1, description="device tier (KV arena) budget, MiB")
-    host_commit: Literal["background", "lazy"] = Field("background", description="the host tier's memory (on a CPU, part of the KV arena): background = committed from start by a low-priority thread, so requests never wait on its first-touch page faults (as vLLM commits its KV cache at start); lazy = as the host tier fills (EngineConfig.host_commit)")
+    host_commit: Literal["background", "lazy"] = Field("background", description="the host tier's memory (on a CPU, part of the KV arena): background = committed from start by a low-priority thread, so requests never wait on its first-touch page faults (the server then holds its whole host budget from start); lazy = as the host tier fills (EngineConfig.host_commit)")
     reuse: Literal["exact", "chunk", "auto"] = Field("exact", description="default reuse mode of a request")
     max_batch_size: int = Field(8, ge=1, description="sequences in one forward step")
     max_batch_tokens: int = Field(4096, ge=1, description="new tokens (rows) in one forward step: one per decode "
