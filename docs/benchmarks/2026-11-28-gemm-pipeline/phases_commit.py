@@ -7,44 +7,30 @@ Scratch script of 2026-11-28, run from the repository root, one run each, one af
 (the 7.5 s: this VM's first touch of fresh guest memory, ~0.8 GB/s; first_touch.py). What ships is
 neither: host_commit="background" commits the host part from a thread at nice 19 after start.
 """
-import sys, time, types
-sys.path.insert(0, "benchmarks"); sys.path.insert(0, ".")
-import torch
-from chunk_eval import trace
-from ragcache_backend.config import EngineConfig
-from ragcache_backend.engine.engine import RAGCacheEngine
-from ragcache_backend.model.loader import load_model
-from ragcache_backend.model.sampling import SamplingParams
-torch.set_num_threads(2)
-MiB = 1 << 20
-args = types.SimpleNamespace(k_min=5, k_max=8, mmlu=200, zipf=1.0, question_first=True, library=True, seed=0, warmup=60, requests=24)
-_s, _w, items = trace(args)
-loaded = load_model(None, dtype="bfloat16")
-cfg = EngineConfig(reuse="auto", chunk_alpha=1.0, dtype="bfloat16", threads=2, device_budget_bytes=2048 * MiB,
-                   host_budget_bytes=4096 * MiB, max_batch_size=16, max_batch_tokens=32768)
-import ragcache_backend.engine.setup as _su
-_orig = _su.ModelRunner
-class _MR(_orig):
-    def __init__(self, *a, **k):
-        k["committed_blocks"] = None
-        super().__init__(*a, **k)
-if len(sys.argv) > 1: _su.ModelRunner = _MR
-t0 = time.perf_counter()
-eng = RAGCacheEngine(cfg, loaded=loaded)
-print("engine built", time.perf_counter() - t0, flush=True)
-rule = cfg.recompute_rule(); one = SamplingParams(max_tokens=1)
-segs = [eng.segments_for(q, docs, one, question_first=True)[0] for q, _src, docs in items]
-for ss in segs[:60]:
-    eng.submit_segments(ss, one, recompute=rule).result()
-print("warm-up done", flush=True)
-for i in range(60, 84):
-    time.sleep(1.0)
-    st0 = eng.stats.forward_s
-    t = time.perf_counter()
-    h = eng.submit_segments(segs[i], one, recompute=rule)
-    res = h.result()
-    wall = time.perf_counter() - t
-    m = h.metrics
-    print(f"{i}: ttft {res.ttft_s:.3f} wall {wall:.3f} queue {m.queue_s:.3f} sched {m.sched_s:.3f} kv_copy {m.kv_copy_s:.3f} "
-          f"computed {res.computed_tokens} hits {res.chunk_hits} guard {res.guard_tokens} fwd_delta {eng.stats.forward_s - st0:.3f}", flush=True)
-eng.close()
+import runpy
+import sys
+import time
+
+sys.path.insert(0, ".")
+import ragcache_backend.engine.engine as engine_module  # noqa: E402
+import ragcache_backend.engine.setup as setup  # noqa: E402
+
+if len(sys.argv) > 1:
+    class _CommittedRunner(setup.ModelRunner):
+        def __init__(self, *args, **kwargs):
+            kwargs["committed_blocks"] = None  # the whole arena zeroed at construction
+            super().__init__(*args, **kwargs)
+
+    setup.ModelRunner = _CommittedRunner
+
+
+class _TimedEngine(engine_module.RAGCacheEngine):
+    def __init__(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        super().__init__(*args, **kwargs)
+        print("engine built", round(time.perf_counter() - t0, 2), "s", flush=True)
+
+
+engine_module.RAGCacheEngine = _TimedEngine
+sys.argv = sys.argv[:1]
+runpy.run_path("docs/benchmarks/2026-11-28-idle-fairness/chunk_request_phases.py", run_name="__main__")

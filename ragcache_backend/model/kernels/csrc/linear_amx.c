@@ -76,8 +76,9 @@ TGT_AMX static inline void store_rows(const float *c, int64_t r0, int64_t r1, co
  * are stored a few rows per step of K, between the TDPs: the vector work (conversion, SiLU) then
  * runs while the tiles compute. Stored after the block's TDPs instead, it added ~25% to a GEMM of
  * K = 576 (the tile unit and the vector units took turns); interleaved, the layer GEMMs of
- * SmolLM2-135M took 0.84x the time at 1,000 rows, SiLU x up 0.77x (2026-11-28, Xeon with AMX; the
- * same bits: the order of the stores changes, not their operations). */
+ * SmolLM2-135M took 0.81-0.82x the time at 1,000-2,000 rows, gate/up + SiLU 0.72-0.74x (2026-11-28,
+ * Xeon with AMX; the same bits: the order of the stores changes, not their operations). Issuing
+ * the next block's TDPs before the whole store, without the interleave, gained nothing. */
 TGT_AMX static void micro_block(const bf16_t *a, int64_t a_row, const bf16_t *b0, const bf16_t *b1, int64_t K, float *c,
                                 pending_t *wait, int gated, int64_t N) {
     _tile_zero(0);
