@@ -114,8 +114,8 @@ _LINUX = pytest.mark.skipif(sys.platform != "linux", reason="MADV_POPULATE_WRITE
 
 @_LINUX
 def test_the_host_part_is_committed_in_the_background_without_touching_what_is_written():
-    arena = _arena(4, blocks=4096)  # 4 committed blocks, 4,092 of the host part: 32 MiB each of K and V,
-    host = arena.k_cache[:, 4 * 16:]  # above glibc's largest mmap threshold: fresh pages
+    arena = _arena(4, blocks=12288)  # 4 committed blocks, 12,284 of the host part: 96 MiB each of K and V,
+    host = arena.k_cache[:, 4 * 16:]  # above glibc's largest mmap threshold (32 MiB): fresh pages, not reused heap
     assert resident_share(arena.v_cache[:, 4 * 16:]) < 0.5  # not committed yet
     arena.k_cache[:, 100 * 16:110 * 16] = 3  # blocks the engine wrote before the thread reached them
     before = arena.v_cache[:, 4 * 16:].clone()  # whatever the uncommitted memory holds (never read unwritten)
