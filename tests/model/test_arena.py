@@ -135,6 +135,9 @@ def test_the_host_part_is_committed_in_the_background_without_touching_what_is_w
 def test_nothing_to_commit_when_the_whole_arena_is_committed_or_off_the_cpu():
     assert _arena(None).commit_in_background() is None
     assert _arena(64).commit_in_background() is None
+    off_cpu = KVArena(num_layers=2, num_blocks=64, block_size=16, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16,
+                      device=torch.device("meta"), inv_freq=torch.ones(32), committed_blocks=4)
+    assert off_cpu.commit_in_background() is None  # another device's memory: nothing of the host's to commit
 
 
 @_LINUX
