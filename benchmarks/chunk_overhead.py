@@ -7,7 +7,7 @@ Prompts: paragraphs of the Python FAQ ("programming"), five per prompt, with a F
 
 * **Miss**: the cache is emptied before each request, which then runs with ``reuse="exact"``, with
   ``reuse="auto"`` and with ``reuse="auto"`` whose attention statistics come from the torch reference
-  (``segment_attention_mass``; ``native.segment_mass_available`` patched to False meanwhile: what
+  (``segment_attention_mass``; ``chunk_stats.segment_mass_available`` patched to False meanwhile: what
   every chunk-mode request paid before the float32 statistics kernel), the order rotating per
   prompt: nothing can be reused, so the difference is what the chunk mode adds (attention
   statistics recorded for future reuse, planning).
@@ -42,7 +42,7 @@ from benchmark_report import write_report  # noqa: E402
 from ragcache_backend.config import EngineConfig  # noqa: E402
 from ragcache_backend.demo.datasets import faq_questions, python_docs_dir  # noqa: E402
 from ragcache_backend.engine.engine import RAGCacheEngine  # noqa: E402
-from ragcache_backend.model.kernels import native  # noqa: E402
+from ragcache_backend.model.kernels import chunk_stats  # noqa: E402
 from ragcache_backend.model.loader import load_model  # noqa: E402
 from ragcache_backend.model.sampling import SamplingParams  # noqa: E402
 
@@ -53,12 +53,12 @@ TORCH_STATS = "auto, torch statistics"
 @contextmanager
 def torch_statistics():
     """The chunk statistics on the torch reference while inside (the path before the kernel)."""
-    real = native.segment_mass_available
-    native.segment_mass_available = lambda q, k: False
+    real = chunk_stats.segment_mass_available
+    chunk_stats.segment_mass_available = lambda q, k: False
     try:
         yield
     finally:
-        native.segment_mass_available = real
+        chunk_stats.segment_mass_available = real
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ import torch
 
 from ragcache_backend.cache.chunk_reuse import FocusTracker
 from ragcache_backend.errors import InvalidRequestError
-from ragcache_backend.model.kernels import native, position_mask, segment_attention_mass
+from ragcache_backend.model.kernels import chunk_stats, position_mask, segment_attention_mass
 
 __all__ = ["BlendSelection", "ChunkRows", "FocusSelection"]
 
@@ -186,9 +186,11 @@ class ChunkRows:
 
     # ---- per layer -------------------------------------------------------------------------------
     def before_write(self, kc: torch.Tensor, vc: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The slots' contents before this layer's write, where the deviation is measured."""
+        """The slots' contents before this layer's write, where the deviation is measured (in the
+        arena's dtype where the native kernel measures it, else in float32)."""
         if self.guard or (self.blend is not None and layer == self.blend.layer):
-            return kc.index_select(0, self.write).float(), vc.index_select(0, self.write).float()
+            k_old, v_old = kc.index_select(0, self.write), vc.index_select(0, self.write)
+            return (k_old, v_old) if chunk_stats.kv_deviation_available(kc) else (k_old.float(), v_old.float())
         return None
 
     def _bias(self, window: int | None) -> torch.Tensor:
@@ -212,7 +214,7 @@ class ChunkRows:
         update; ``window`` is the layer's sliding window (None: full attention)."""
         qs = q[self.lo : self.hi]
         stats = self.mass is not None and stat_layer
-        native_stats = stats and window is None and native.segment_mass_available(qs, kc)  # keys read in place
+        native_stats = stats and window is None and chunk_stats.segment_mass_available(qs, kc)  # keys read in place
         masked = self.explicit and not self.native
         need_k = masked or (stats and not native_stats) or self.focus is not None
         ctx_k = kc.index_select(0, self.context) if need_k else None
@@ -221,17 +223,21 @@ class ChunkRows:
         if stats:  # one query head per KV head (heads of a group see the same keys)
             group = qs.shape[1] // kc.shape[1]
             if native_stats:
-                m = native.segment_mass(qs[:, ::group], kc, self.context, self.positions, self.segment_offsets, scale)
+                m = chunk_stats.segment_mass(qs[:, ::group], kc, self.context, self.positions, self.segment_offsets, scale)
             else:
                 m = segment_attention_mass(qs[:, ::group], ctx_k, self.positions, self.segments, self.num_segments,
                                            scale=scale, window=window)
             self.mass.index_add_(0, self.alive, m.sum(dim=1))
         if before is not None:
             k_old, v_old = before
-            new = torch.cat((kc.index_select(0, self.write).float().flatten(1), vc.index_select(0, self.write).float().flatten(1)), 1)
-            old = torch.cat((k_old.flatten(1), v_old.flatten(1)), 1)
-            ref = old.norm(dim=1)
-            dev = torch.where(ref > 0, (new - old).norm(dim=1) / ref.clamp_min(1e-6), torch.zeros_like(ref))
+            if k_old.dtype == kc.dtype and chunk_stats.kv_deviation_available(kc):  # one pass, no conversions
+                dev = chunk_stats.kv_deviation(kc, vc, self.write, k_old, v_old)
+            else:  # the reference form
+                new = torch.cat((kc.index_select(0, self.write).float().flatten(1),
+                                 vc.index_select(0, self.write).float().flatten(1)), 1)
+                old = torch.cat((k_old.float().flatten(1), v_old.float().flatten(1)), 1)
+                ref = old.norm(dim=1)
+                dev = torch.where(ref > 0, (new - old).norm(dim=1) / ref.clamp_min(1e-6), torch.zeros_like(ref))
             if self.blend is not None and layer == self.blend.layer:
                 self._blend_dev = dev
             if self.guard:
@@ -247,8 +253,8 @@ class ChunkRows:
         """Add the last row's attention mass to each guard segment (one query head per KV head)."""
         group = qs.shape[1] // kc.shape[1]
         q, pos = qs[-1:, ::group], self.positions[-1:]  # the last row never stops
-        if window is None and native.segment_mass_available(q, kc):
-            m = native.segment_mass(q, kc, self.context, pos, self.guard_offsets, scale)
+        if window is None and chunk_stats.segment_mass_available(q, kc):
+            m = chunk_stats.segment_mass(q, kc, self.context, pos, self.guard_offsets, scale)
         else:
             keys = ctx_k if ctx_k is not None else kc.index_select(0, self.context)
             m = segment_attention_mass(q, keys, pos, self.guard_ids, self.last_mass.numel(), scale=scale, window=window)

@@ -135,10 +135,10 @@ def test_the_last_rows_attention_to_guard_segments_matches_the_models_own_weight
     """``guard_segments``: the last new token's attention mass per segment, averaged over every
     layer and one query head per KV group, as the model's own attention weights give it (and as
     the statistics give it for that row), from the native kernel or the torch reference."""
-    from ragcache_backend.model.kernels import native
+    from ragcache_backend.model.kernels import chunk_stats
 
     if kernel == "torch":
-        monkeypatch.setattr(native, "segment_mass_available", lambda q, k: False)
+        monkeypatch.setattr(chunk_stats, "segment_mass_available", lambda q, k: False)
     b = Blocks()
     sys_, c1, c2 = _toks(12, 11), _toks(20, 12), _toks(15, 13)
     ps, p1 = b.run(12), b.run(20)
@@ -180,6 +180,42 @@ def test_deviation_is_zero_when_nothing_moved_and_positive_when_the_context_chan
     runner.copy_rerotated(v2, r2, 0)
     moved = runner.forward_step([ForwardInput(tuple(c2[i] for i in picks), (ps, p1, r2), (), positions=pos, guard=True)])
     assert min(moved.deviation[0]) > 1e-3
+
+
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+def test_deviation_from_the_native_kernel_equals_the_reference_form(runner, monkeypatch, kernel):
+    """The guard's deviation (relative L2 of the recomputed rows' K/V against what the slots held,
+    summed over layers) from ``chunk_stats.kv_deviation`` equals the torch form's, on rows whose
+    context moved; with the kernel off, the torch form runs (and the kernel is not called)."""
+    from ragcache_backend.model.kernels import chunk_stats
+
+    if kernel == "native" and not chunk_stats.kv_deviation_available(runner.k_cache[0]):
+        pytest.skip("no native deviation kernel for this runner's arena here")
+    calls = []
+    real = chunk_stats.kv_deviation
+    monkeypatch.setattr(chunk_stats, "kv_deviation", lambda *a: calls.append(1) or real(*a))
+
+    def measure(native: bool) -> torch.Tensor:
+        b = Blocks()
+        sys_, c1, c2, other = _toks(16, 14), _toks(30, 15), _toks(30, 16), _toks(30, 17)
+        ps, p1, po, v2 = b.run(16), b.run(30), b.run(16 + 30), b.run(30)
+        _prefill(runner, [(ps, sys_), (p1, c1), (po, sys_ + other), (v2, c2)])
+        r2 = b.run(30)
+        runner.copy_rerotated(v2, r2, 0)
+        picks = (0, 5, 9, 20, 29)
+        with monkeypatch.context() as m:
+            if not native:
+                m.setattr(chunk_stats, "kv_deviation_available", lambda k: False)
+            step = runner.forward_step([ForwardInput(tuple(c2[i] for i in picks), (ps, p1, r2), (),
+                                                     positions=tuple(46 + i for i in picks), guard=True)])
+        return torch.tensor(step.deviation[0])
+
+    got = measure(kernel == "native")
+    assert bool(calls) == (kernel == "native")
+    calls.clear()
+    ref = measure(False)
+    assert not calls and got.shape == (5,) and min(got) > 1e-3
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-6)
 
 
 def test_bad_positions_and_segments_are_rejected(runner):
@@ -393,9 +429,9 @@ def test_statistics_from_the_native_kernel_equal_the_torch_reference(runner, mon
     positions come from the float32 kernel (keys read in place; the torch reference is not called)
     and equal the reference's."""
     import ragcache_backend.model.chunk_rows as chunk_rows
-    from ragcache_backend.model.kernels import native
+    from ragcache_backend.model.kernels import chunk_stats
 
-    if not runner.layers.native_attention or not native.segment_mass_available(torch.zeros(1, 1, 64), torch.zeros(1, 1, 64)):
+    if not runner.layers.native_attention or not chunk_stats.segment_mass_available(torch.zeros(1, 1, 64), torch.zeros(1, 1, 64)):
         pytest.skip("float32 native kernels unavailable here (or the runner is on another device)")
     b = Blocks()
     _, ctx, new, pos = _moved_chunks(runner, b)
@@ -420,7 +456,7 @@ def test_statistics_from_the_native_kernel_equal_the_torch_reference(runner, mon
         calls.clear()
         fast = torch.tensor(step().attention[0].mass)
         assert not calls, name
-        monkeypatch.setattr(native, "segment_mass_available", lambda q, k: False)
+        monkeypatch.setattr(chunk_stats, "segment_mass_available", lambda q, k: False)
         slow = torch.tensor(step().attention[0].mass)
         monkeypatch.undo()
         monkeypatch.setattr(chunk_rows, "segment_attention_mass", counted)

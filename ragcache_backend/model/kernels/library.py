@@ -32,10 +32,10 @@ log = logging.getLogger(__name__)
 #: the kernels' C files, compiled together into one library on first use
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("paged_attention_bf16.c", "fused_bf16.c", "decode_bf16.c", "linear_amx.c", "kernels_f32.c",
-                             "rerotate.c"))
+                             "rerotate.c", "chunk_stats.c"))
 #: sources an older revision's ``csrc/`` lacks (added since kernel A/B runs began): a library built from
 #: such a folder (:func:`build_library`) is without their kernels, and the callers check for them
-NEWER_SOURCES = frozenset({"linear_amx.c", "rerotate.c"})
+NEWER_SOURCES = frozenset({"linear_amx.c", "rerotate.c", "chunk_stats.c"})
 #: headers the sources include (part of the library's build hash)
 HEADERS = tuple(Path(__file__).with_name("csrc") / name for name in ("simd_exp.h", "bf16_common.h"))
 #: C compiler flags the kernels are built with (benchmarks/prompt_attention.py builds other revisions' kernels alike)
@@ -124,8 +124,15 @@ def _build(folder: Path | None = None) -> tuple[ctypes.CDLL | None, str]:
     if hasattr(lib, "rc_rerotate_copy"):  # since 2026-11-28 (kernel_ab.py builds older revisions)
         lib.rc_rerotate_copy.restype = ctypes.c_int
         lib.rc_rerotate_copy.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, ptr, nt, nt, nt]
-    lib.rc32_segment_mass.restype = ctypes.c_int
-    lib.rc32_segment_mass.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, i64, ptr, i64, f32, ptr, nt]
+    # the chunk mode's measurements (chunk_stats.c since 2026-11-28: not in an older revision's csrc/)
+    for name in ("rc32_segment_mass", "rc_segment_mass"):
+        if hasattr(lib, name):
+            getattr(lib, name).restype = ctypes.c_int
+            getattr(lib, name).argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, i64, ptr, i64, f32, ptr, nt]
+    for name in ("rc32_kv_deviation", "rc_kv_deviation"):
+        if hasattr(lib, name):
+            getattr(lib, name).restype = ctypes.c_int
+            getattr(lib, name).argtypes = [ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, nt]
     for name in ("rc32_wide", "rc_amx"):  # rc_amx: not in an older revision's csrc/ (kernel_ab.py builds those)
         if hasattr(lib, name):
             getattr(lib, name).restype = ctypes.c_int

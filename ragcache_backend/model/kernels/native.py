@@ -30,6 +30,7 @@ import torch
 from ragcache_backend.model.kernels import library
 from ragcache_backend.model.kernels.amx_gemm import (AMX_FEW_ROWS, AMXWeight, amx_linear, amx_linear_available,  # noqa: F401 (public here too)
                                                      amx_linear_silu, amx_pack, bf16_amx)
+from ragcache_backend.model.kernels.chunk_stats import segment_mass, segment_mass_available  # noqa: F401 (public here too)
 from ragcache_backend.model.kernels.library import (BUILD_FLAGS, HEADERS, SOURCES, NativeKernelError,  # noqa: F401 (public here too)
                                                      build_library, using_library)
 
@@ -235,65 +236,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             k_cache.shape[1], d, scale, out.data_ptr(), torch.get_num_threads())
     if rc != 0:
         raise NativeKernelError(f"paged_attention failed with code {rc} (1: arguments, 2: memory)")
-    return out
-
-
-def segment_mass_available(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether :func:`segment_mass` can run: float32 or bf16 queries and arena (the same dtype) on
-    the CPU, a head size the float32 kernels tile, the float32 kernels available here."""
-    return (q.dtype in (torch.float32, torch.bfloat16) and k_cache.dtype == q.dtype and q.device.type == "cpu"
-            and k_cache.device.type == "cpu" and q.shape[-1] % _HEAD_MULTIPLE[torch.float32] == 0
-            and _kernel(torch.float32, "paged_attention") is not None)
-
-
-def segment_mass(q: torch.Tensor, k_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-                 segment_offsets: torch.Tensor, scale: float) -> torch.Tensor:
-    """Softmax mass each query row gives each context segment (Cache-Craft eq. 3-4), with the keys
-    read from the arena in place: what :func:`~ragcache_backend.model.kernels.attention.segment_attention_mass`
-    computes (same definition, float32 rounding of another summation order), ~7x faster on a
-    2-core AVX2 CPU for a 2,000-token prompt (8.9 against 60.8 ms; it does no gather, no ``[T, S]``
-    mask and no one-hot product). A bf16 arena's context keys are gathered into float32 first (the
-    float32 kernel runs on every CPU with the bf16 kernels), the queries converted: the reference's
-    definition, which computes in float32 as well.
-
-    Args:
-        q: ``[T, H, D]`` float32 or bf16 queries (RoPE applied), one query head per KV head (query
-            head ``h`` reads KV head ``h``); rows and heads may be strided, each head's ``D`` values
-            contiguous.
-        k_cache: one layer of the arena, ``[slots, H, D]`` of q's dtype, contiguous.
-        slots: ``[S]`` int64 arena slots of the context, in position order.
-        positions: ``[T]`` int64 position of each row in the context (it attends to keys ``0 ..
-            pos``), in ``[0, S)``.
-        segment_offsets: ``[nseg + 1]`` int64 segment boundaries, ``0`` first, ``S`` last, strictly
-            ascending (segment ``s`` is keys ``offsets[s] .. offsets[s + 1] - 1``).
-        scale: softmax scale.
-
-    Returns:
-        ``[T, H, nseg]`` float32; each ``[t, h]`` row sums to 1.
-
-    Raises:
-        NativeKernelError: the kernel is unavailable, or shapes, dtypes, positions or offsets do
-            not fit it (checked in C as well: never a crash).
-    """
-    t, h, d = q.shape
-    nseg = segment_offsets.numel() - 1
-    _check(segment_mass_available(q, k_cache) and q.stride(2) == 1 and k_cache.is_contiguous()
-           and k_cache.dim() == 3 and k_cache.shape[1:] == (h, d) and slots.dtype == torch.int64 and slots.dim() == 1
-           and positions.shape == (t,) and positions.dtype == torch.int64 and segment_offsets.dtype == torch.int64
-           and nseg >= 1 and t >= 1 and slots.numel() >= 1,
-           f"segment_mass: bad arguments q={tuple(q.shape)}/{q.dtype}/{q.stride()} kv={tuple(k_cache.shape)}/"
-           f"{k_cache.dtype} slots={tuple(slots.shape)}/{slots.dtype} positions={tuple(positions.shape)}/{positions.dtype} "
-           f"offsets={tuple(segment_offsets.shape)}/{segment_offsets.dtype}")
-    slots, positions, offsets = (x.cpu().contiguous() for x in (slots, positions, segment_offsets))
-    _check(int(slots.min()) >= 0 and int(slots.max()) < k_cache.shape[0], "segment_mass: slots outside the arena")
-    if q.dtype == torch.bfloat16:  # the float32 kernel over the context's keys, gathered and converted
-        q, k_cache, slots = q.float(), k_cache.index_select(0, slots).float(), torch.arange(slots.numel())
-    out = torch.empty((t, h, nseg), dtype=torch.float32)
-    rc = library.load().rc32_segment_mass(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), slots.data_ptr(),
-                                      slots.numel(), positions.data_ptr(), t, h, d, offsets.data_ptr(), nseg, scale,
-                                      out.data_ptr(), torch.get_num_threads())
-    if rc != 0:
-        raise NativeKernelError(f"segment_mass failed with code {rc} (1: positions or segment offsets out of range, 2: memory)")
     return out
 
 
