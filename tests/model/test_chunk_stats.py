@@ -1,13 +1,14 @@
 """The chunk mode's native measurements (``kernels/chunk_stats.py``) against their torch forms:
 attention mass per context segment on a bf16 arena (AVX512-BF16, keys read unpacked for up to 4
-rows, packed above) and the quality guard's K/V deviation in float32 and bf16."""
+rows, packed above; AMX tiles of 16 rows for 64-dim heads where AMX runs) and the quality guard's
+K/V deviation in float32 and bf16."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ragcache_backend.model.kernels import chunk_stats, library, segment_attention_mass
+from ragcache_backend.model.kernels import amx_gemm, chunk_stats, library, segment_attention_mass
 from ragcache_backend.model.kernels.native import NativeKernelError
 
 _BF16 = library.load() is not None and torch.bfloat16 in library.instruction_sets()
@@ -39,6 +40,30 @@ def test_bf16_segment_mass_reads_bf16_keys_and_matches_the_reference(context, ro
     assert got.shape == (rows, hkv, len(lengths)) and got.dtype == torch.float32
     assert (got - ref).abs().max().item() < 2e-6
     assert torch.allclose(got.sum(-1), torch.ones(rows, hkv), atol=1e-5)
+
+
+@pytest.mark.skipif(not _BF16, reason="the bf16 kernels need AVX512-BF16")
+@pytest.mark.parametrize("rows", [5, 16, 17, 40, 300])
+def test_bf16_segment_mass_on_amx_tiles_and_on_vdpbf16ps_agree_with_the_reference(rows):
+    """64-dim heads take AMX tiles of 16 query rows where AMX runs (a short last tile configured
+    with its own row count) and VDPBF16PS tiles of 8 rows where it does not (``bf16_amx(False)``):
+    both give the reference's masses, for rows at the end of the context and scattered."""
+    g = torch.Generator().manual_seed(rows)
+    kc = torch.randn(4096, 3, 64, generator=g).bfloat16()
+    slots = torch.randperm(4096, generator=g)[:1100]
+    q = torch.randn(rows, 9, 64, generator=g).bfloat16()[:, ::3]
+    lengths = [29, 300, 700, 71]
+    segments = torch.repeat_interleave(torch.arange(4), torch.tensor(lengths))
+    before = amx_gemm.bf16_amx()
+    try:
+        for amx in sorted({False, before}):
+            amx_gemm.bf16_amx(amx)
+            for pos in (torch.arange(1100 - rows, 1100), torch.sort(torch.randperm(1100, generator=g)[:rows]).values):
+                ref = segment_attention_mass(q.float(), kc[slots].float(), pos, segments, 4, scale=0.125)
+                got = chunk_stats.segment_mass(q, kc, slots, pos, _offsets(lengths), 0.125)
+                assert (got - ref).abs().max().item() < 2e-6, amx
+    finally:
+        amx_gemm.bf16_amx(before)
 
 
 @pytest.mark.skipif(not _BF16, reason="the bf16 kernels need AVX512-BF16")

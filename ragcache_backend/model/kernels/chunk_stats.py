@@ -51,10 +51,12 @@ def segment_mass(q: torch.Tensor, k_cache: torch.Tensor, slots: torch.Tensor, po
     read from the arena in place: what :func:`~ragcache_backend.model.kernels.attention.segment_attention_mass`
     computes (same definition, float32 rounding of another summation order), ~7x faster on a
     2-core AVX2 CPU for a 2,000-token prompt (8.9 against 60.8 ms; no gather, no ``[T, S]`` mask and
-    no one-hot product). A bf16 arena's keys are multiplied as bf16 pairs on AVX512-BF16 (each
-    product exact in float32, sums in float32: the reference's definition, which converts to
-    float32), and read unpacked for up to 4 rows (the guard's one row per layer); where only the
-    float32 kernels run, a bf16 arena's context keys are gathered into float32 first.
+    no one-hot product). A bf16 arena's keys are multiplied as bf16 (each product exact in float32,
+    sums in float32: the reference's definition, which converts to float32): read unpacked for up
+    to 4 rows (the guard's one row per layer, VDPBF16PS), packed in panels of 16 keys for more rows,
+    multiplied on AMX tiles of 16 query rows for 64-dim heads where AMX runs (``bf16_amx``; 0.37x the
+    VDPBF16PS route's time for 1,800 rows over 2,100 keys), else on VDPBF16PS tiles of 8 rows; where
+    only the float32 kernels run, a bf16 arena's context keys are gathered into float32 first.
 
     Args:
         q: ``[T, H, D]`` float32 or bf16 queries (RoPE applied), one query head per KV head (query

@@ -5,9 +5,10 @@
  *   float32 kernel (rc32_segment_mass, kernels_f32.c) needed a bf16 arena's context keys gathered
  *   and converted to float32 first, and packed every key even for one row (the guard's case: one
  *   row per layer, ~0.3 ms a call for a 1,000-token context, most of it the gather and the pack).
- *   Here the keys are read as bf16 pairs and multiplied on AVX512-BF16 (vdpbf16ps: each product
- *   of two bf16 values is exact in float32, the sums float32), packed only when a tile of rows
- *   shares them.
+ *   Here the keys are read as bf16 and multiplied on AVX512-BF16 (vdpbf16ps: each product of two
+ *   bf16 values is exact in float32, the sums float32), packed only when a tile of rows shares
+ *   them; for 64-dim heads where AMX runs (rc_amx), 16 query rows at a time on AMX tiles (the
+ *   packed panels are already TDPBF16PS's B operand).
  * - rc_kv_deviation / rc32_kv_deviation: the guard's K/V deviation of recomputed rows, relative
  *   L2 of the arena's new K and V against their values before the layer's write, in one pass
  *   (the torch form converted both to float32, concatenated them and took three norms).
@@ -46,14 +47,24 @@ static void sm_pack(const bf16_t *kc, int64_t slot_row, const int64_t *slots, in
     }
 }
 
-/* The softmax of one row's scores s[0 .. valid) (scaled; valid >= 1) summed per segment into
- * dst[nseg], normalised: max, then exp(s - max) in place, then the segments' sums. */
-TGT_BF16 static void sm_row(float *s, int64_t valid, const int64_t *seg_off, int64_t nseg, float *dst) {
+/* The softmax of one row's scores s[0 .. valid) (unscaled dot products; valid >= 1) summed per
+ * segment into dst[nseg], normalised: scale and max, then exp(s - max) in place, then the
+ * segments' sums. */
+TGT_BF16 static void sm_row(float *s, int64_t valid, float scale, const int64_t *seg_off, int64_t nseg, float *dst) {
+    const __m512 vs = _mm512_set1_ps(scale);
     __m512 bm = _mm512_set1_ps(-INFINITY);
     int64_t j = 0;
-    for (; j + 16 <= valid; j += 16) bm = _mm512_max_ps(bm, _mm512_loadu_ps(s + j));
+    for (; j + 16 <= valid; j += 16) {
+        const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + j), vs);
+        _mm512_storeu_ps(s + j, x);
+        bm = _mm512_max_ps(bm, x);
+    }
     const __mmask16 tail = (__mmask16)((1u << (valid - j)) - 1u);
-    if (j < valid) bm = _mm512_mask_max_ps(bm, tail, bm, _mm512_maskz_loadu_ps(tail, s + j));
+    if (j < valid) {
+        const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + j), vs);
+        _mm512_mask_storeu_ps(s + j, tail, x);
+        bm = _mm512_mask_max_ps(bm, tail, bm, x);
+    }
     const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(bm));
     for (j = 0; j + 16 <= valid; j += 16) _mm512_storeu_ps(s + j, exp512(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv)));
     if (j < valid) _mm512_mask_storeu_ps(s + j, tail, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + j), mv)));
@@ -75,10 +86,10 @@ TGT_BF16 static void sm_row(float *s, int64_t valid, const int64_t *seg_off, int
     for (int64_t g = 0; g < nseg; g++) dst[g] *= inv;
 }
 
-/* Scores of up to SM_DIRECT rows (qv, each D bf16) against keys [0, n) read from the arena
+/* Dot products of up to SM_DIRECT rows (qv, each D bf16) with keys [0, n) read from the arena
  * unpacked: 32 dims per vdpbf16ps, one horizontal sum per key. */
 TGT_BF16 static void sm_scores_direct(const bf16_t *const *qv, int nq, int64_t D, const bf16_t *kc, int64_t slot_row,
-                                      const int64_t *slots, int64_t h, int64_t n, float scale, float *sc, int64_t sc_row) {
+                                      const int64_t *slots, int64_t h, int64_t n, float *sc, int64_t sc_row) {
     const int64_t nc = D / 32, rem = D % 32;
     const __mmask32 tail = (__mmask32)((1ull << rem) - 1ull);
     __m512bh q[SM_DIRECT][SM_DMAX / 32 + 1];
@@ -94,17 +105,16 @@ TGT_BF16 static void sm_scores_direct(const bf16_t *const *qv, int nq, int64_t D
         for (int i = 0; i < nq; i++) {
             __m512 acc = _mm512_setzero_ps();
             for (int64_t c = 0; c < nc + (rem != 0); c++) acc = _mm512_dpbf16_ps(acc, k[c], q[i][c]);
-            sc[i * sc_row + j] = _mm512_reduce_add_ps(acc) * scale;
+            sc[i * sc_row + j] = _mm512_reduce_add_ps(acc);
         }
     }
 }
 
-/* Scores of SM_QT rows (qv; a short tile repeats its last row) against the packed keys of panels
- * [0, npanel): 16 keys per panel, one bf16 pair of every row broadcast per step. */
-TGT_BF16 static void sm_scores_packed(const bf16_t *const *qv, int64_t D, const uint32_t *kp, int64_t npanel, float scale,
-                                      float *sc, int64_t sc_row) {
+/* Dot products of SM_QT rows (qv; a short tile repeats its last row) with the packed keys of
+ * panels [0, npanel): 16 keys per panel, one bf16 pair of every row broadcast per step. */
+TGT_BF16 static void sm_scores_packed(const bf16_t *const *qv, int64_t D, const uint32_t *kp, int64_t npanel, float *sc,
+                                      int64_t sc_row) {
     const int64_t DP = D / 2;
-    const __m512 vs = _mm512_set1_ps(scale);
     for (int64_t b = 0; b < npanel; b++) {
         const uint32_t *panel = kp + b * DP * 16;
         __m512 c[SM_QT];
@@ -117,9 +127,50 @@ TGT_BF16 static void sm_scores_packed(const bf16_t *const *qv, int64_t D, const 
                 c[i] = _mm512_dpbf16_ps(c[i], k, (__m512bh)_mm512_set1_epi32((int)pair));
             }
         }
-        for (int i = 0; i < SM_QT; i++) _mm512_storeu_ps(sc + i * sc_row + 16 * b, _mm512_mul_ps(c[i], vs));
+        for (int i = 0; i < SM_QT; i++) _mm512_storeu_ps(sc + i * sc_row + 16 * b, c[i]);
     }
 }
+
+#ifdef RC_HAVE_AMX
+/* Dot products of `rows` (1 .. 16) consecutive query rows (q0, row stride q_row elements; D = 64)
+ * with the packed keys of panels [0, npanel), on AMX tiles (the caller configured `rows` rows):
+ * A tiles t3 / t4 hold the rows' dims 0-31 / 32-63, a panel's pairs 0-15 / 16-31 are its B tiles
+ * (t5 / t6: a panel is already the B operand's layout), sums of three panels (48 keys) in t0-t2. */
+TGT_AMX static void sm_scores_amx(const bf16_t *q0, int64_t q_row, const uint32_t *kp, int64_t npanel, float *sc,
+                                  int64_t sc_row) {
+    const int64_t stride = sc_row * (int64_t)sizeof(float);
+    _tile_loadd(3, q0, q_row * (int64_t)sizeof(bf16_t));
+    _tile_loadd(4, q0 + 32, q_row * (int64_t)sizeof(bf16_t));
+    for (int64_t b = 0; b < npanel; b += 3) {
+        const uint32_t *p0 = kp + b * 32 * 16;
+        _tile_zero(0);
+        _tile_loadd(5, p0, 64);
+        _tile_loadd(6, p0 + 16 * 16, 64);
+        _tile_dpbf16ps(0, 3, 5);
+        _tile_dpbf16ps(0, 4, 6);
+        if (b + 1 < npanel) {
+            _tile_zero(1);
+            _tile_loadd(5, p0 + 32 * 16, 64);
+            _tile_loadd(6, p0 + 48 * 16, 64);
+            _tile_dpbf16ps(1, 3, 5);
+            _tile_dpbf16ps(1, 4, 6);
+        }
+        if (b + 2 < npanel) {
+            _tile_zero(2);
+            _tile_loadd(5, p0 + 64 * 16, 64);
+            _tile_loadd(6, p0 + 80 * 16, 64);
+            _tile_dpbf16ps(2, 3, 5);
+            _tile_dpbf16ps(2, 4, 6);
+        }
+        _tile_stored(0, sc + 16 * b, stride);
+        if (b + 1 < npanel) _tile_stored(1, sc + 16 * (b + 1), stride);
+        if (b + 2 < npanel) _tile_stored(2, sc + 16 * (b + 2), stride);
+    }
+}
+
+TGT_AMX static void sm_tiles_begin(int rows) { amx_configure_rows(rows); }
+TGT_AMX static void sm_tiles_end(void) { _tile_release(); }
+#endif
 
 /* out[t, h, s] = sum over keys j of segment s with j <= qpos[t] of softmax_j(scale q[t, h] . K_h[j])
  * (keys 0 .. qpos[t]): rc32_segment_mass's definition and arguments (kernels_f32.c), on bf16
@@ -139,7 +190,12 @@ TGT_BF16 int rc_segment_mass(const bf16_t *q, int64_t q_row, int64_t q_head, con
     }
     const int64_t slot_row = H * D, n = maxpos + 1, S_pad = (n + 15) / 16 * 16;
     const int direct = T <= SM_DIRECT;
-    const int64_t ntile = direct ? 1 : (T + SM_QT - 1) / SM_QT, rows = direct ? SM_DIRECT : SM_QT;
+#ifdef RC_HAVE_AMX
+    const int amx = !direct && D == 64 && rc_amx(-1); /* 16-row tiles of queries on AMX */
+#else
+    const int amx = 0;
+#endif
+    const int64_t rows = direct ? SM_DIRECT : amx ? 16 : SM_QT, ntile = direct ? 1 : (T + rows - 1) / rows;
     uint32_t *pack = direct ? NULL : aligned_alloc(64, (size_t)(H * S_pad * (D / 2)) * sizeof(uint32_t));
     float *scratch = aligned_alloc(64, (size_t)nthreads * rows * S_pad * sizeof(float));
     if ((!direct && !pack) || !scratch) {
@@ -158,23 +214,34 @@ TGT_BF16 int rc_segment_mass(const bf16_t *q, int64_t q_row, int64_t q_head, con
             }
         }
         float *sc = scratch + (size_t)omp_get_thread_num() * rows * S_pad;
+        int tile_rows = 0; /* the AMX tiles' configured row count on this thread (0: not configured) */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < H * ntile; w++) {
             const int64_t h = w / ntile, t0 = (w % ntile) * rows;
-            const bf16_t *qv[SM_QT];
+            const bf16_t *qv[16];
             int64_t lim = 0;
             for (int i = 0; i < rows; i++) {
                 const int64_t t = t0 + i < T ? t0 + i : T - 1; /* pad a short tile with its last row */
                 qv[i] = q + t * q_row + h * q_head;
                 if (qpos[t] > lim) lim = qpos[t];
             }
-            if (direct)
-                sm_scores_direct(qv, (int)T, D, kc, slot_row, slots, h, lim + 1, scale, sc, S_pad);
-            else
-                sm_scores_packed(qv, D, pack + h * S_pad * (D / 2), lim / 16 + 1, scale, sc, S_pad);
+            if (direct) {
+                sm_scores_direct(qv, (int)T, D, kc, slot_row, slots, h, lim + 1, sc, S_pad);
+            } else if (amx) {
+#ifdef RC_HAVE_AMX
+                const int n = (int)(T - t0 < 16 ? T - t0 : 16);
+                if (n != tile_rows) sm_tiles_begin(tile_rows = n);
+                sm_scores_amx(qv[0], q_row, pack + h * S_pad * (D / 2), lim / 16 + 1, sc, S_pad);
+#endif
+            } else {
+                sm_scores_packed(qv, D, pack + h * S_pad * (D / 2), lim / 16 + 1, sc, S_pad);
+            }
             for (int i = 0; i < rows && t0 + i < T; i++)
-                sm_row(sc + i * S_pad, qpos[t0 + i] + 1, seg_off, nseg, out + ((t0 + i) * H + h) * nseg);
+                sm_row(sc + i * S_pad, qpos[t0 + i] + 1, scale, seg_off, nseg, out + ((t0 + i) * H + h) * nseg);
         }
+#ifdef RC_HAVE_AMX
+        if (tile_rows) sm_tiles_end();
+#endif
     }
     free(pack); free(scratch);
     return 0;
