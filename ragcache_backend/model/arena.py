@@ -79,7 +79,8 @@ class BackgroundCommit:
     the first-touch page faults in their forward passes: on a 2-core VM, where memory the guest has
     not used before is backed by the hypervisor at its first touch (~0.4-1.2 GB/s against ~8 GB/s
     for reused pages), a chunk-reuse request spent ~11% of its samples zeroing fresh host blocks
-    (mean TTFT 0.86x with the pool committed, 2026-11-28). The price is memory: the process holds its
+    (2026-11-28: mean TTFT 0.86x with the pool committed in one run, no gain in a repeat once the VM
+    had touched that memory before; docs/benchmarks.md). The price is memory: the process holds its
     whole host budget from start (vLLM's CPU server, with 3 GiB of KV configured, stayed at 1.4 GiB).
 
     Started by :meth:`KVArena.commit_in_background`; :meth:`stop` ends it early (engine close).
