@@ -325,7 +325,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="timed rounds (each: every measurement on both systems)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode-steps", type=int, default=16)
-    ap.add_argument("--miss-pairs", type=int, default=10, help="cache-on/off request pairs of the miss overhead")
+    ap.add_argument("--miss-pairs", type=int, default=10, help="cache-on/off request pairs of the miss overhead (0: skip it)")
     ap.add_argument("--miss-device-mib", type=int, default=64)
     ap.add_argument("--miss-host-mib", type=int, default=64)
     ap.add_argument("--doc-tokens", type=int, default=480, help="random token ids decoded into each document's text")
@@ -335,6 +335,8 @@ def main() -> None:
                     help="both systems' dtype (float32 on CPUs without bf16 arithmetic, where bf16 is emulated)")
     ap.add_argument("--json", type=Path, default=None, help="write every raw number here")
     args = ap.parse_args()
+    if args.miss_pairs < 0 or args.repeats < 1:
+        ap.error("--miss-pairs must be >= 0 and --repeats >= 1")
     out_dir = (args.json.parent if args.json else HERE / "logs").resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     res: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine(), "ours": {}, "vllm": {}}
@@ -366,8 +368,10 @@ def main() -> None:
     ids = lambda n: [rng.randrange(100, vocab) for _ in range(n)]  # noqa: E731
     vllm_error = rounds(ours, peer, args, res, ids) or vllm_error
     res["vllm_error"] = vllm_error
-    print("ours: miss overhead ...", flush=True)
-    res["miss"] = miss_overhead(engine, args, rng)
+    res["miss"] = None
+    if args.miss_pairs:
+        print("ours: miss overhead ...", flush=True)
+        res["miss"] = miss_overhead(engine, args, rng)
     engine.close()
     res["machine"]["load_end"] = load()
     res["summary"] = {k: {"ours": summary(res["ours"].get(k, [])), "vllm": summary(res["vllm"].get(k, [])),
@@ -405,10 +409,13 @@ def report(res: dict, args) -> None:
         print(fmt.format("decode batch 1 / weights-read floor", f"{1e3 * d1['median_s']:.1f}", f"{1e3 * floor_s:.1f} floor",
                          f"{over:.2f}", f"<= {FLOOR_TARGET}", "met" if over <= FLOOR_TARGET else "MISSED", "-"))
     mo, notes = res["miss"], []
-    print(fmt.format("miss overhead, on vs off (0% hits)", f"{1e3 * mo['mean_on_s']:.1f} on", f"{1e3 * mo['mean_off_s']:.1f} off",
-                     f"{100 * mo['overhead']:+.1f}%", "<= 3%", "met" if mo["overhead"] <= 0.03 else "MISSED", "-"))
-    notes.append(f"miss: {args.miss_pairs} pairs, mean prompt {mo['mean_prompt_tokens']:.0f} tokens, cache-on reuses "
-                 f"{mo['mean_cached_tokens_on']:.0f} system-prompt tokens, after {mo['fill_requests']} requests filled the cache")
+    if mo is None:
+        notes.append("miss overhead: not measured (--miss-pairs 0)")
+    else:
+        print(fmt.format("miss overhead, on vs off (0% hits)", f"{1e3 * mo['mean_on_s']:.1f} on", f"{1e3 * mo['mean_off_s']:.1f} off",
+                         f"{100 * mo['overhead']:+.1f}%", "<= 3%", "met" if mo["overhead"] <= 0.03 else "MISSED", "-"))
+        notes.append(f"miss: {args.miss_pairs} pairs, mean prompt {mo['mean_prompt_tokens']:.0f} tokens, cache-on reuses "
+                     f"{mo['mean_cached_tokens_on']:.0f} system-prompt tokens, after {mo['fill_requests']} requests filled the cache")
     if res.get("vllm_raw", {}).get("extend"):
         notes.append(f"vLLM prefix hits of the {NEW}-over-{CACHED} requests: {[r['cached_tokens'][0] for r in res['vllm_raw']['extend']]}")
     if res["cold_first_tokens"]:
