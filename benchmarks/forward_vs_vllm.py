@@ -315,6 +315,8 @@ def rounds(ours: Ours, peer: VLLMPeer | None, args, res: dict, ids) -> str | Non
             if vtok is not None:  # same weights, same ids: the greedy first tokens should agree
                 res["cold_first_tokens"].append([ours.first_token, vtok])
         print(f"round {rnd + 1}/{args.repeats} done" if rnd >= 0 else "warm-up round done", flush=True)
+        if args.json and rnd >= 0:  # the raw numbers so far: a run stopped later still leaves its rounds
+            args.json.write_text(json.dumps({**res, "partial": f"{rnd + 1} of {args.repeats} rounds"}, indent=1))
     if peer:
         peer.close()
     return error
@@ -333,7 +335,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                     help="both systems' dtype (float32 on CPUs without bf16 arithmetic, where bf16 is emulated)")
-    ap.add_argument("--json", type=Path, default=None, help="write every raw number here")
+    ap.add_argument("--json", type=Path, default=None, help="write every raw number here (also after each timed round, marked \"partial\")")
     args = ap.parse_args()
     if args.miss_pairs < 0 or args.repeats < 1:
         ap.error("--miss-pairs must be >= 0 and --repeats >= 1")

@@ -236,45 +236,66 @@ TGT512 static void pv_block512(float *acc, const float *alpha, const float *p, c
     }
 }
 
+/* Per-tile state of attend_item: QT query vectors (the last tile padded with its last vector). */
+typedef struct {
+    int64_t lim[QT], tpos[QT], head[QT], maxlim;
+    float m[QT], l[QT];
+    const float *qv[QT];
+} tile32_t;
+
+/* Query vectors per prompt work item at most (QPOS positions x g heads), in tiles of QT. */
+static inline int64_t item_tiles(int64_t g) { return (QPOS * g + QT - 1) / QT; }
+
 /* One work item: query rows [t0, t1) of KV head h, all g query heads; row t sits at position
  * qpos[t] (qpos: the sequence's row positions) or, with qpos NULL, P + t.
  * kp, vp: this head's packed keys and values (pack_keys, pack_values); wide: kp holds 16-key
- * panels and the inner loops run on 512-bit registers (the same bits). */
+ * panels and the inner loops run on 512-bit registers (the same bits).
+ * The key blocks are the outer loop and the item's tiles the inner one, so a block's keys and values
+ * (16 KB each at D = 64) are read from L2 once per item and stay in L1 for all its tiles (the
+ * other order streamed the head's whole K and V once per tile). Each tile's rows see the same
+ * operations in the same order either way. tiles: item_tiles(g) states; accs: as many
+ * [QT][DMAX] accumulators. */
 TGT static void attend_item(const float *q, int64_t q_row, int64_t D, int64_t g, int64_t h, int64_t t0, int64_t t1,
                             int64_t P, const int64_t *qpos, const float *kp, const float *vp, float scale, float *out,
-                            int64_t out_row, int wide) {
-    const int64_t nvec = (t1 - t0) * g;
-    float acc[QT][DMAX] __attribute__((aligned(64)));
+                            int64_t out_row, int wide, tile32_t *tiles, float *accs) {
+    const int64_t nvec = (t1 - t0) * g, ntiles = (nvec + QT - 1) / QT;
     float s[QT][KB] __attribute__((aligned(64)));
+    float alpha[QT];
     const __m256 vscale = _mm256_set1_ps(scale);
-    for (int64_t v0 = 0; v0 < nvec; v0 += QT) {
-        int64_t lim[QT], tpos[QT], head[QT], maxlim = 0;
-        float m[QT], l[QT], alpha[QT];
-        const float *qv[QT];
+    int64_t nblocks = 0;
+    for (int64_t ti = 0; ti < ntiles; ti++) {
+        tile32_t *tl = tiles + ti;
+        tl->maxlim = 0;
         for (int i = 0; i < QT; i++) {
-            int64_t v = v0 + i < nvec ? v0 + i : nvec - 1; /* pad a short tile with its last row */
-            tpos[i] = t0 + v / g;
-            head[i] = h * g + v % g;
-            lim[i] = qpos ? qpos[tpos[i]] : P + tpos[i];
-            if (lim[i] > maxlim) maxlim = lim[i];
-            qv[i] = q + tpos[i] * q_row + head[i] * D;
-            m[i] = -INFINITY;
-            l[i] = 0.0f;
-            memset(acc[i], 0, sizeof(float) * (size_t)D);
+            int64_t v = ti * QT + i < nvec ? ti * QT + i : nvec - 1; /* pad a short tile with its last row */
+            tl->tpos[i] = t0 + v / g;
+            tl->head[i] = h * g + v % g;
+            tl->lim[i] = qpos ? qpos[tl->tpos[i]] : P + tl->tpos[i];
+            if (tl->lim[i] > tl->maxlim) tl->maxlim = tl->lim[i];
+            tl->qv[i] = q + tl->tpos[i] * q_row + tl->head[i] * D;
+            tl->m[i] = -INFINITY;
+            tl->l[i] = 0.0f;
+            memset(accs + (ti * QT + i) * DMAX, 0, sizeof(float) * (size_t)D);
         }
-        const int64_t nblocks = maxlim / KB + 1;
-        for (int64_t kb = 0; kb < nblocks; kb++) {
+        if (tl->maxlim / KB + 1 > nblocks) nblocks = tl->maxlim / KB + 1;
+    }
+    for (int64_t kb = 0; kb < nblocks; kb++) {
+        const float *vblk = vp + kb * KB * D;
+        for (int64_t ti = 0; ti < ntiles; ti++) {
+            tile32_t *tl = tiles + ti;
+            float *acc = accs + ti * QT * DMAX;
+            if (kb > tl->maxlim / KB) continue; /* past every row of the tile */
             /* scores of the tile's rows against keys kb*64 .. (up to maxlim), 16 keys at a time */
-            const int64_t kend = maxlim - kb * KB + 1 < KB ? maxlim - kb * KB + 1 : KB;
+            const int64_t kend = tl->maxlim - kb * KB + 1 < KB ? tl->maxlim - kb * KB + 1 : KB;
             if (wide)
-                score_block512(kp + kb * KB * D, D, qv, scale, kend, s[0]);
+                score_block512(kp + kb * KB * D, D, tl->qv, scale, kend, s[0]);
             else
                 for (int64_t k16 = 0; k16 * 16 < kend; k16++)
-                    score_tile16(kp + (kb * (KB / 8) + 2 * k16) * D * 8, D, qv, vscale, s[0] + 16 * k16, KB);
+                    score_tile16(kp + (kb * (KB / 8) + 2 * k16) * D * 8, D, tl->qv, vscale, s[0] + 16 * k16, KB);
             /* online softmax per row; probabilities replace the scores in s */
             int64_t maxvalid = 0;
             for (int i = 0; i < QT; i++) {
-                int64_t valid = lim[i] - kb * KB + 1;
+                int64_t valid = tl->lim[i] - kb * KB + 1;
                 if (valid > KB) valid = KB;
                 if (valid <= 0) { /* past this row's causal limit: leave it untouched */
                     alpha[i] = 1.0f;
@@ -283,7 +304,7 @@ TGT static void attend_item(const float *q, int64_t q_row, int64_t D, int64_t g,
                 }
                 if (valid > maxvalid) maxvalid = valid;
                 if (wide) {
-                    softmax_row512(s[i], valid, &m[i], &l[i], &alpha[i]);
+                    softmax_row512(s[i], valid, &tl->m[i], &tl->l[i], &alpha[i]);
                     continue;
                 }
                 /* only the vector holding the row's limit has lanes to mask */
@@ -294,8 +315,8 @@ TGT static void attend_item(const float *q, int64_t q_row, int64_t D, int64_t g,
                     bm = _mm256_max_ps(bm, x);
                 }
                 const float bmax = hmax256(bm);
-                const float mnew = bmax > m[i] ? bmax : m[i];
-                alpha[i] = mnew == m[i] ? 1.0f : expf(m[i] - mnew);
+                const float mnew = bmax > tl->m[i] ? bmax : tl->m[i];
+                alpha[i] = mnew == tl->m[i] ? 1.0f : expf(tl->m[i] - mnew);
                 const __m256 mv = _mm256_set1_ps(mnew);
                 __m256 sum = _mm256_setzero_ps();
                 for (int64_t j = 0; j < KB; j += 8) {
@@ -307,22 +328,21 @@ TGT static void attend_item(const float *q, int64_t q_row, int64_t D, int64_t g,
                     _mm256_store_ps(s[i] + j, p);
                     sum = _mm256_add_ps(sum, p);
                 }
-                l[i] = l[i] * alpha[i] + hsum256(sum);
-                m[i] = mnew;
+                tl->l[i] = tl->l[i] * alpha[i] + hsum256(sum);
+                tl->m[i] = mnew;
             }
             if (maxvalid == 0) continue;
             /* PV: acc[i] = acc[i] * alpha[i] + p[i] . V[block], 16 dims at a time */
-            const float *vblk = vp + kb * KB * D;
             if (wide) {
-                pv_block512(acc[0], alpha, s[0], vblk, maxvalid, D);
+                pv_block512(acc, alpha, s[0], vblk, maxvalid, D);
                 continue;
             }
             for (int64_t dg = 0; dg < D; dg += 16) {
                 __m256 o[QT][2];
                 for (int i = 0; i < QT; i++) {
                     __m256 a = _mm256_set1_ps(alpha[i]);
-                    o[i][0] = _mm256_mul_ps(_mm256_load_ps(acc[i] + dg), a);
-                    o[i][1] = _mm256_mul_ps(_mm256_load_ps(acc[i] + dg + 8), a);
+                    o[i][0] = _mm256_mul_ps(_mm256_load_ps(acc + i * DMAX + dg), a);
+                    o[i][1] = _mm256_mul_ps(_mm256_load_ps(acc + i * DMAX + dg + 8), a);
                 }
                 for (int64_t j = 0; j < maxvalid; j++) {
                     const float *vr = vblk + j * D + dg;
@@ -334,15 +354,19 @@ TGT static void attend_item(const float *q, int64_t q_row, int64_t D, int64_t g,
                     }
                 }
                 for (int i = 0; i < QT; i++) {
-                    _mm256_store_ps(acc[i] + dg, o[i][0]);
-                    _mm256_store_ps(acc[i] + dg + 8, o[i][1]);
+                    _mm256_store_ps(acc + i * DMAX + dg, o[i][0]);
+                    _mm256_store_ps(acc + i * DMAX + dg + 8, o[i][1]);
                 }
             }
         }
-        for (int i = 0; i < QT && v0 + i < nvec; i++) {
-            const __m256 inv = _mm256_set1_ps(1.0f / l[i]);
-            float *dst = out + tpos[i] * out_row + head[i] * D;
-            for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_load_ps(acc[i] + d), inv));
+    }
+    for (int64_t ti = 0; ti < ntiles; ti++) {
+        const tile32_t *tl = tiles + ti;
+        for (int i = 0; i < QT && ti * QT + i < nvec; i++) {
+            const float *acc = accs + (ti * QT + i) * DMAX;
+            const __m256 inv = _mm256_set1_ps(1.0f / tl->l[i]);
+            float *dst = out + tl->tpos[i] * out_row + tl->head[i] * D;
+            for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_load_ps(acc + d), inv));
         }
     }
 }
@@ -626,14 +650,19 @@ TGT int rc32_paged_attention(const float *q, int64_t q_row, const float *kc, con
         part_floats += Hkv * nchunks[b] * g * (DCHUNK + 2 + D);
     }
     const int64_t hg = decode_head_group(dec_chunks, Hkv, nthreads);
+    const int64_t ntiles = item_tiles(g); /* each thread's prompt-item scratch: tile states and accumulators */
+    tile32_t *tstate = nitems ? malloc(sizeof(tile32_t) * (size_t)(nthreads * ntiles)) : NULL;
+    float *taccs = nitems ? aligned_alloc(64, sizeof(float) * (size_t)(nthreads * ntiles * QT * DMAX)) : NULL;
     float *pack = pack_floats ? aligned_alloc(64, (size_t)pack_floats * sizeof(float)) : NULL;
     float *part = part_floats ? malloc((size_t)part_floats * sizeof(float)) : NULL;
     int64_t *pack_at = malloc(sizeof(int64_t) * (size_t)B);
     int64_t *part_at = malloc(sizeof(int64_t) * (size_t)(dec_items ? dec_items : 1));
     work32_t *items = malloc(sizeof(work32_t) * (size_t)(nitems + dec_items + 1));
     work32_t *packs = malloc(sizeof(work32_t) * (size_t)(npack ? npack : 1));
-    if ((pack_floats && !pack) || (part_floats && !part) || !pack_at || !part_at || !items || !packs) {
+    if ((pack_floats && !pack) || (part_floats && !part) || !pack_at || !part_at || !items || !packs ||
+        (nitems && (!tstate || !taccs))) {
         free(pack); free(part); free(pack_at); free(part_at); free(items); free(packs); free(nchunks); free(dec_at);
+        free(tstate); free(taccs);
         return 2;
     }
     int64_t at = 0, ni = 0, np = 0, pat = 0;
@@ -666,6 +695,7 @@ TGT int rc32_paged_attention(const float *q, int64_t q_row, const float *kc, con
     work32_t *merges = malloc(sizeof(work32_t) * (size_t)(nmerge ? nmerge : 1));
     if (!merges) {
         free(pack); free(part); free(pack_at); free(part_at); free(items); free(packs); free(nchunks); free(dec_at);
+        free(tstate); free(taccs);
         return 2;
     }
     int64_t nm = 0;
@@ -696,10 +726,11 @@ TGT int rc32_paged_attention(const float *q, int64_t q_row, const float *kc, con
                 decode_heads(qs, D, g, it.h, it.h + it.hn, it.a, it.b, kc, vc, slot_row, slots + ctx_off[it.seq], scale, pp,
                              wide);
             } else {
-                int64_t S_pad = (S + KB - 1) / KB * KB;
+                int64_t S_pad = (S + KB - 1) / KB * KB, tid = omp_get_thread_num();
                 const float *kp = pack + pack_at[it.seq] + it.h * S_pad * D;
                 attend_item(qs, q_row, D, g, it.h, it.a, it.b, S - T, qpos ? qpos + q_off[it.seq] : NULL, kp, kp + Hkv * S_pad * D,
-                            scale, out + q_off[it.seq] * Hq * D, Hq * D, wide);
+                            scale, out + q_off[it.seq] * Hq * D, Hq * D, wide, tstate + tid * ntiles,
+                            taccs + tid * ntiles * QT * DMAX);
             }
         }
         if (nmerge > 0) {
@@ -713,6 +744,7 @@ TGT int rc32_paged_attention(const float *q, int64_t q_row, const float *kc, con
         }
     }
     free(pack); free(part); free(pack_at); free(part_at); free(items); free(packs); free(nchunks); free(dec_at); free(merges);
+    free(tstate); free(taccs);
     return 0;
 }
 
