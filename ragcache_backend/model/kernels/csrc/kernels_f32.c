@@ -252,9 +252,9 @@ static inline int64_t item_tiles(int64_t g) { return (QPOS * g + QT - 1) / QT; }
  * panels and the inner loops run on 512-bit registers (the same bits).
  * The key blocks are the outer loop and the item's tiles the inner one, so a block's keys and values
  * (16 KB each at D = 64) are fetched once per item and stay in L1/L2 for all its tiles (the other
- * order streamed the head's whole K and V once per tile: 0.90x the time on a Zen 3, 2026-11-29). Each tile's rows see the same
- * operations in the same order either way. tiles: item_tiles(g) states; accs: as many
- * [QT][DMAX] accumulators. */
+ * order streamed the head's whole K and V once per tile: 0.90x the time on a Zen 3, 2026-11-29).
+ * Each tile's rows see the same operations in the same order either way. tiles: item_tiles(g)
+ * states; accs: as many [QT][DMAX] accumulators. */
 TGT static void attend_item(const float *q, int64_t q_row, int64_t D, int64_t g, int64_t h, int64_t t0, int64_t t1,
                             int64_t P, const int64_t *qpos, const float *kp, const float *vp, float scale, float *out,
                             int64_t out_row, int wide, tile32_t *tiles, float *accs) {
@@ -659,10 +659,12 @@ TGT int rc32_paged_attention(const float *q, int64_t q_row, const float *kc, con
     int64_t *part_at = malloc(sizeof(int64_t) * (size_t)(dec_items ? dec_items : 1));
     work32_t *items = malloc(sizeof(work32_t) * (size_t)(nitems + dec_items + 1));
     work32_t *packs = malloc(sizeof(work32_t) * (size_t)(npack ? npack : 1));
-    if ((pack_floats && !pack) || (part_floats && !part) || !pack_at || !part_at || !items || !packs ||
+    const int64_t nmerge = ndec * Hkv; /* decode results: (sequence, KV head) pairs to merge */
+    work32_t *merges = malloc(sizeof(work32_t) * (size_t)(nmerge ? nmerge : 1));
+    if ((pack_floats && !pack) || (part_floats && !part) || !pack_at || !part_at || !items || !packs || !merges ||
         (nitems && (!tstate || !taccs))) {
         free(pack); free(part); free(pack_at); free(part_at); free(items); free(packs); free(nchunks); free(dec_at);
-        free(tstate); free(taccs);
+        free(merges); free(tstate); free(taccs);
         return 2;
     }
     int64_t at = 0, ni = 0, np = 0, pat = 0;
@@ -689,14 +691,6 @@ TGT int rc32_paged_attention(const float *q, int64_t q_row, const float *kc, con
         for (int64_t qb = nqb - 1; qb >= 0; qb--) /* the latest query blocks (most keys) first */
             for (int64_t h = 0; h < Hkv; h++)
                 items[ni++] = (work32_t){b, h, qb * QPOS, (qb + 1) * QPOS < T ? (qb + 1) * QPOS : T, -1};
-    }
-    /* decode results: (sequence, KV head) pairs to merge */
-    int64_t nmerge = ndec * Hkv;
-    work32_t *merges = malloc(sizeof(work32_t) * (size_t)(nmerge ? nmerge : 1));
-    if (!merges) {
-        free(pack); free(part); free(pack_at); free(part_at); free(items); free(packs); free(nchunks); free(dec_at);
-        free(tstate); free(taccs);
-        return 2;
     }
     int64_t nm = 0;
     for (int64_t b = 0; b < B; b++)
