@@ -899,6 +899,8 @@ TGT void rc32_silu_mul(const float *gate_up, int64_t N, int64_t I, float *out, i
 
 /* ---- linear layers for few rows ------------------------------------------------------------ */
 
+#define SEQ_PF 1024 /* seq: how far ahead of its loads (floats: 4 KiB) a weight row stream is prefetched */
+
 /* y[m0 .. m0+MR) rows of x W^T (+ b) for weight rows [n0, n0 + 4): each weight row is loaded once
  * for all MR input rows; one accumulator per (weight row, input row), summed across lanes at the end.
  * seq (a call of at most SEQ_ROWS_F32 rows, decode at batch 1-2: bound by reading W): the four weight
@@ -910,7 +912,11 @@ TGT void rc32_silu_mul(const float *gate_up, int64_t N, int64_t I, float *out, i
  * start to end (also one stream; calls of up to BLOCK_PREFETCH_ROWS_F32 rows: a batch-4 decode step
  * 0.85x the time), 1 side by side (more rows, where the block order was 3-6% slower at batch 8).
  * Each output's sum runs over k in the same order either way: same bits whatever M. The seq path
- * does not prefetch (the hardware prefetcher follows the one stream). */
+ * also asks for the line SEQ_PF floats (4 KiB) ahead of its loads, once per line (the hardware
+ * prefetcher follows the one stream, but restarts where a call or a thread's share begins): on a
+ * 2-core Zen 3, SmolLM2's 120 layer GEMMs at 1 row 0.95x the time, 2 rows 0.98x (median of 9
+ * interleaved rounds; prefetching 1-2 or 8 KiB ahead gained as much or less; two FMA chains per row
+ * instead of one gained nothing: not kept; `benchmarks/linear_rows.py`). */
 TGT static inline __attribute__((always_inline)) void linear_tile(const float *x, int64_t K, const float *W, const float *b,
                                                                     int64_t N, float *y, int64_t n0, int64_t nr, int64_t m0,
                                                                     const int MR, const int prefetch, const int seq) {
@@ -925,6 +931,7 @@ TGT static inline __attribute__((always_inline)) void linear_tile(const float *x
     if (seq) { /* few rows: each weight row streamed start to end, the tile's rows one after another */
         for (int r = 0; r < 4; r++)
             for (int64_t k = 0; k < K; k += 8) {
+                if ((k & 8) == 0) _mm_prefetch((const char *)(w[r] + k + SEQ_PF), _MM_HINT_T0);
                 const __m256 wv = _mm256_loadu_ps(w[r] + k);
                 for (int j = 0; j < MR; j++) acc[r][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (m0 + j) * K + k), acc[r][j]);
             }
