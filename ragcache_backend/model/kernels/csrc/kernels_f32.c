@@ -914,9 +914,9 @@ TGT void rc32_silu_mul(const float *gate_up, int64_t N, int64_t I, float *out, i
  * Each output's sum runs over k in the same order either way: same bits whatever M. The seq path
  * also asks for the line SEQ_PF floats (4 KiB) ahead of its loads, once per line (the hardware
  * prefetcher follows the one stream, but restarts where a call or a thread's share begins): on a
- * 2-core Zen 3, SmolLM2's 120 layer GEMMs at 1 row 0.95x the time, 2 rows 0.98x (median of 9
- * interleaved rounds; prefetching 1-2 or 8 KiB ahead gained as much or less; two FMA chains per row
- * instead of one gained nothing: not kept; `benchmarks/linear_rows.py`). */
+ * 2-core Zen 3, SmolLM2's 120 layer GEMMs at 1 row 0.95-0.97x the time, at 2 rows 0.98-1.01x (two
+ * runs, medians of 9 interleaved rounds, `benchmarks/linear_rows.py`; prefetching 1-2 or 8 KiB ahead
+ * gained as much or less; two FMA chains per row instead of one gained nothing: not kept). */
 TGT static inline __attribute__((always_inline)) void linear_tile(const float *x, int64_t K, const float *W, const float *b,
                                                                     int64_t N, float *y, int64_t n0, int64_t nr, int64_t m0,
                                                                     const int MR, const int prefetch, const int seq) {
