@@ -8,7 +8,7 @@ Both versions' ``kernels_f32.c`` are compiled here with the flags the package bu
 ``prompt_attention.py`` does) and called through ctypes on the same inputs: the default model's
 four layer GEMMs (SmolLM2-135M: QKV ``[960, 576]`` with its bias, O ``[576, 576]``, gate/up
 ``[3072, 576]``, down ``[576, 1536]``) for each of its 30 layers, every layer its own random
-weights (426 MB in all), so that the weights come from memory as in a real decode step; ``M`` rows
+weights (425 MB in all), so that the weights come from memory as in a real decode step; ``M`` rows
 of input per call (1, 2, 4, 8 and 16: batch sizes of a decode step). The memory read bandwidth
 (``torch.sum`` over 1 GiB, the weights-read floor of ``forward_vs_vllm.py``) is measured in every
 round beside them. Each round times both versions one after the other, in alternating order;
@@ -31,7 +31,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from forward_vs_vllm import machine  # noqa: E402
+from forward_vs_vllm import machine, memory_bandwidth  # noqa: E402
 from prompt_attention import build as build_attention  # noqa: E402
 
 LAYERS = 30
@@ -72,16 +72,13 @@ def main() -> None:
                for _ in range(LAYERS) for n, k, bias in SHAPES]
     weight_bytes = sum(w.numel() * 4 for w, _ in weights)
     x = {k: torch.randn(max(ROWS), k, generator=gen) for k in {k for _, k, _ in SHAPES}}
-    big = torch.ones((1 << 30) // 4)
     times = {m: {"base": [], "new": []} for m in ROWS}
     same = {m: True for m in ROWS}
     bandwidth = []
     with tempfile.TemporaryDirectory() as tmp:
         libs = {"base": build(args.base, Path(tmp) / "base.so"), "new": build(None, Path(tmp) / "new.so")}
         for rnd in range(args.repeats + 1):  # round 0 warms up
-            t = time.perf_counter()
-            big.sum()
-            bandwidth.append(big.numel() * 4 / (time.perf_counter() - t) / 1e9)
+            bandwidth.append(memory_bandwidth(args.threads, repeats=1)["best_gb_s"])
             for m in ROWS:
                 outs = {}
                 for side in ("base", "new") if rnd % 2 else ("new", "base"):

@@ -913,7 +913,8 @@ TGT void rc32_silu_mul(const float *gate_up, int64_t N, int64_t I, float *out, i
  * 0.85x the time), 1 side by side (more rows, where the block order was 3-6% slower at batch 8).
  * Each output's sum runs over k in the same order either way: same bits whatever M. The seq path
  * also asks for the line SEQ_PF floats (4 KiB) ahead of its loads, once per line (the hardware
- * prefetcher follows the one stream, but restarts where a call or a thread's share begins): on a
+ * prefetcher follows the one stream; where this still gains was not isolated, perhaps where a call
+ * or a thread's share begins and the hardware has no history yet): on a
  * 2-core Zen 3, SmolLM2's 120 layer GEMMs at 1 row 0.95-0.97x the time, at 2 rows 0.98-1.01x (two
  * runs, medians of 9 interleaved rounds, `benchmarks/linear_rows.py`; prefetching 1-2 or 8 KiB ahead
  * gained as much or less; two FMA chains per row instead of one gained nothing: not kept). */
