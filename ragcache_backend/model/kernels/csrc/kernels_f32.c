@@ -907,10 +907,14 @@ TGT void rc32_silu_mul(const float *gate_up, int64_t N, int64_t I, float *out, i
  * rows are read one after another, each start to end: one sequential stream for the hardware
  * prefetcher (on a 2-core Zen 4 a batch-1 decode step 0.58x the time, batch 2 0.63x). More rows keep
  * the four side by side (four FMA chains per input row: there the rows' 256-bit FMAs, not memory,
- * bound them; in sequence a 4-row layer was no faster, 8-16 rows 1.2-1.35x slower). There prefetch
- * (on the first input rows' tile only) fetches the next tile's four rows meanwhile: 2 as one block,
- * start to end (also one stream; calls of up to BLOCK_PREFETCH_ROWS_F32 rows: a batch-4 decode step
- * 0.85x the time), 1 side by side (more rows, where the block order was 3-6% slower at batch 8).
+ * bound them; in sequence a 4-row layer was no faster, 8-16 rows 1.2-1.35x slower). There the
+ * next four weight rows (one contiguous block) are prefetched meanwhile, start to end, their lines
+ * shared out in order over all the tiles of input rows ([pf_from, pf_to) to this one), so the memory
+ * streams while every tile computes (until 2026-11-29 the first tile asked for the whole block and
+ * the others computed with the memory idle: on a 2-core Zen 3 SmolLM2's 120 layer GEMMs at 4 rows
+ * now 0.86-0.93x the time, 8 rows 0.78-0.88x, 16 rows 0.79-0.90x (five runs, medians of 7-11
+ * interleaved rounds, `benchmarks/linear_rows.py`, same bits);
+ * two blocks ahead, or into L2 (T1), were 2-5% slower than one block into L1).
  * Each output's sum runs over k in the same order either way: same bits whatever M. The seq path
  * also asks for the line SEQ_PF floats (4 KiB) ahead of its loads, once per line (the hardware
  * prefetcher follows the one stream; where this still gains was not isolated, perhaps where a call
@@ -920,15 +924,19 @@ TGT void rc32_silu_mul(const float *gate_up, int64_t N, int64_t I, float *out, i
  * gained as much or less; two FMA chains per row instead of one gained nothing: not kept). */
 TGT static inline __attribute__((always_inline)) void linear_tile(const float *x, int64_t K, const float *W, const float *b,
                                                                     int64_t N, float *y, int64_t n0, int64_t nr, int64_t m0,
-                                                                    const int MR, const int prefetch, const int seq) {
+                                                                    const int MR, const int64_t pf_from, const int64_t pf_to,
+                                                                    const int seq) {
     __m256 acc[4][3];
     const float *w[4];
     for (int r = 0; r < 4; r++) {
         w[r] = W + (n0 + (r < nr ? r : nr - 1)) * K;
         for (int j = 0; j < MR; j++) acc[r][j] = _mm256_setzero_ps();
     }
-    /* the next 4 weight rows (one block of 4 K floats) stream in while these are computed */
+    /* lines [pf_from, pf_to) of the next 4 weight rows (one contiguous block of 4 K floats) stream in
+     * while these are computed, pf_step a step */
     const float *ahead = W + (n0 + 4 < N ? n0 + 4 : n0) * K;
+    int64_t pf = pf_from;
+    const int64_t pf_step = (pf_to - pf_from + K / 8 - 1) / (K / 8);
     if (seq) { /* few rows: each weight row streamed start to end, the tile's rows one after another */
         for (int r = 0; r < 4; r++)
             for (int64_t k = 0; k < K; k += 8) {
@@ -938,9 +946,7 @@ TGT static inline __attribute__((always_inline)) void linear_tile(const float *x
             }
     } else
     for (int64_t k = 0; k < K; k += 8) {
-        if (prefetch && (k & 8) == 0)
-            for (int r = 0; r < 4; r++)
-                _mm_prefetch((const char *)(prefetch == 2 ? ahead + (4 * (k / 16) + r) * 16 : ahead + r * K + k), _MM_HINT_T0);
+        for (int64_t i = 0; i < pf_step && pf < pf_to; i++, pf++) _mm_prefetch((const char *)(ahead + 16 * pf), _MM_HINT_T0);
         __m256 xv[3];
         for (int j = 0; j < MR; j++) xv[j] = _mm256_loadu_ps(x + (m0 + j) * K + k);
         for (int r = 0; r < 4; r++) {
@@ -953,19 +959,21 @@ TGT static inline __attribute__((always_inline)) void linear_tile(const float *x
 }
 
 #define SEQ_ROWS_F32 2 /* most input rows for which a tile reads its weight rows one after another */
-#define BLOCK_PREFETCH_ROWS_F32 4 /* most input rows for which the next tile is prefetched as one block */
 
 /* The work of rc32_linear_rows as an orphaned worksharing loop: inside a parallel region the
  * threads share the output columns (and meet at its end), outside one it runs on the caller. */
 TGT static void linear_rows_for(const float *x, int64_t M, int64_t K, const float *W, const float *b, int64_t N, float *y) {
-    const int seq = M <= SEQ_ROWS_F32, pf = M <= BLOCK_PREFETCH_ROWS_F32 ? 2 : 1;
+    const int seq = M <= SEQ_ROWS_F32;
+    /* the next block's K / 4 lines of 16 floats, shared out in order over this block's tiles */
+    const int64_t tiles = (M + 2) / 3, lines = K / 4, share = (lines + tiles - 1) / tiles;
 #pragma omp for schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += 4) {
         const int64_t nr = N - n0 < 4 ? N - n0 : 4;
-        int64_t m0 = 0;
-        for (; m0 + 3 <= M; m0 += 3) linear_tile(x, K, W, b, N, y, n0, nr, m0, 3, m0 == 0 ? pf : 0, seq);
-        if (M - m0 == 2) linear_tile(x, K, W, b, N, y, n0, nr, m0, 2, m0 == 0 ? pf : 0, seq);
-        else if (M - m0 == 1) linear_tile(x, K, W, b, N, y, n0, nr, m0, 1, m0 == 0 ? pf : 0, seq);
+        int64_t m0 = 0, t = 0;
+        for (; m0 + 3 <= M; m0 += 3, t++)
+            linear_tile(x, K, W, b, N, y, n0, nr, m0, 3, t * share, (t + 1) * share < lines ? (t + 1) * share : lines, seq);
+        if (M - m0 == 2) linear_tile(x, K, W, b, N, y, n0, nr, m0, 2, t * share, lines, seq);
+        else if (M - m0 == 1) linear_tile(x, K, W, b, N, y, n0, nr, m0, 1, t * share, lines, seq);
     }
 }
 
