@@ -39,6 +39,7 @@ from ragcache_backend.errors import InvalidRequestError
 from ragcache_backend.model.arch import ArchSpec, describe, native_gaps
 from ragcache_backend.model.arena import KVArena
 from ragcache_backend.model.forward import StepRows
+from ragcache_backend.model.heap import keep_activation_pages
 from ragcache_backend.model.kernels import (AttentionPlan, apply_rope, attention, attention_over_prefix, attention_plan, native,
                                             rope_cos_sin)
 from ragcache_backend.model.kernels.linear import Linear, pack_linear
@@ -175,6 +176,8 @@ class PagedLlama:
         cfg = loaded.model.config
         self.device = loaded.device
         self.dtype = loaded.dtype
+        if self.device.type == "cpu":  # activations stay on the heap between steps (model/heap.py)
+            keep_activation_pages()
         self.arch = describe(loaded.model)
         inner = loaded.model.model
         self._embed = inner.embed_tokens

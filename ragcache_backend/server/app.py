@@ -354,7 +354,8 @@ def serve(engine: RAGCacheEngine | Callable[[], RAGCacheEngine], settings: Serve
                                                     "serving" if slot.ready else "starting", host, port)
         if builder is not None:
             builder.start()
-        with HeapTrimmer():  # the host tier's freed buffers go back to the OS (server/heap.py)
+        # the host tier's freed buffers go back to the OS, once the engine is idle (server/heap.py)
+        with HeapTrimmer(busy=lambda: bool(built) and built[0].in_flight > 0):
             server.run(sockets=[sock] if sock is not None else None)
     finally:
         if builder is not None:

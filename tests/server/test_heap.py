@@ -1,4 +1,5 @@
-"""The server's heap trimmer (server/heap.py): runs, stops, and refuses a bad interval."""
+"""The server's heap trimmer (server/heap.py): runs, stops, waits for the engine to be idle, and
+refuses a bad interval."""
 
 from __future__ import annotations
 
@@ -28,3 +29,28 @@ def test_trims_in_the_background_until_stopped():
     time.sleep(0.05)
     assert trimmer.trims == done  # stopped: no more trims
     assert isinstance(trimmer.trim(), bool)
+
+
+def test_trims_only_after_two_idle_checks():
+    state = {"busy": True}
+    trimmer = HeapTrimmer(interval_s=1.0, busy=lambda: state["busy"])
+    if not trimmer.available:
+        pytest.skip("not glibc: the trimmer does nothing here")
+    assert [trimmer.check() for _ in range(3)] == [False, False, False]  # a burst: the heap keeps its pages
+    assert trimmer.trims == 0
+    state["busy"] = False
+    assert trimmer.check() is False  # idle once: the engine may be between two requests
+    assert trimmer.check() is True
+    assert trimmer.check() is True
+    state["busy"] = True
+    assert trimmer.check() is False
+    assert trimmer.trims == 2
+
+
+def test_a_failing_busy_check_counts_as_busy():
+    def broken() -> bool:
+        raise RuntimeError("engine closed")
+
+    trimmer = HeapTrimmer(interval_s=1.0, busy=broken)
+    assert [trimmer.check() for _ in range(3)] == [False, False, False]
+    assert trimmer.trims == 0
