@@ -316,6 +316,7 @@ def test_linear_layers_take_the_rows_kernel_for_few_rows_only():
     assert torch.equal(lin(x[:4]), native.linear_rows(x[:4], w))
     assert (lin(x) - F.linear(x, w)).abs().max().item() < 1e-5  # many rows: oneDNN's GEMM
     assert not pack_linear(torch.randn(96, 60)).rows_kernel  # K not a multiple of 8
+    assert not native.linear_rows_available(torch.randn(96, 0))  # no inputs: nothing to tile
 
 
 def test_bad_arguments_raise_a_typed_error():

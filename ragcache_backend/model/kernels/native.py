@@ -345,10 +345,10 @@ _LINEAR_N_MULTIPLE = {torch.float32: 1, torch.bfloat16: 4}  # output sizes
 
 def linear_rows_available(weight: torch.Tensor) -> bool:
     """Whether :func:`linear_rows` can run over ``weight``: ``[N, K]`` on the CPU, contiguous, float32
-    (``K`` a multiple of 8, float32 kernels available) or bf16 (``K`` a multiple of 32, ``N`` of 4,
+    (``K`` a positive multiple of 8, float32 kernels available) or bf16 (``K`` a multiple of 32, ``N`` of 4,
     bf16 kernels available: AVX512-BF16)."""
     return (weight.dtype in _LINEAR_K_MULTIPLE and weight.device.type == "cpu" and weight.dim() == 2
-            and weight.is_contiguous() and weight.shape[1] % _LINEAR_K_MULTIPLE[weight.dtype] == 0
+            and weight.is_contiguous() and weight.shape[1] > 0 and weight.shape[1] % _LINEAR_K_MULTIPLE[weight.dtype] == 0
             and weight.shape[0] % _LINEAR_N_MULTIPLE[weight.dtype] == 0
             and _kernel(weight.dtype, "linear_rows") is not None)
 

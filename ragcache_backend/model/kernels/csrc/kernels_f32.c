@@ -936,7 +936,7 @@ TGT static inline __attribute__((always_inline)) void linear_tile(const float *x
      * while these are computed, pf_step a step */
     const float *ahead = W + (n0 + 4 < N ? n0 + 4 : n0) * K;
     int64_t pf = pf_from;
-    const int64_t pf_step = (pf_to - pf_from + K / 8 - 1) / (K / 8);
+    const int64_t steps = K / 8 > 0 ? K / 8 : 1, pf_step = (pf_to - pf_from + steps - 1) / steps;
     if (seq) { /* few rows: each weight row streamed start to end, the tile's rows one after another */
         for (int r = 0; r < 4; r++)
             for (int64_t k = 0; k < K; k += 8) {
