@@ -13,7 +13,10 @@ raised, and the prefill 0.89-0.90x the time (1,954 and 1,869 ms against 2,175 an
 alternating processes). ``ragcache serve`` under a cold 200-client burst, ours alone, two rounds
 alternating with the code before (``benchmarks/ab_commits.py --base bf311e4 --rounds 2 --
 serve_load.py --servers ragcache --bursts 1``): the burst's wall time 0.957x (178.7 and 179.0 s
-against 185.0 and 188.9), output tokens/s 1.045x, TTFT p50 0.99x, the same cached tokens.
+against 185.0 and 188.9), output tokens/s 1.045x, TTFT p50 0.99x, the same cached tokens. Where
+the previous step had the same size, glibc's own adaptive threshold already keeps the pages:
+``forward_vs_vllm.py``'s cold pass (after an untimed one of the same length) 1.016x, decode steps
+0.92-1.01x (the same A/B method, noise).
 
 :func:`keep_activation_pages` raises both thresholds once per process (the largest allocations,
 above :data:`MMAP_THRESHOLD`, still get their own mapping). The cost is resident memory: after a
