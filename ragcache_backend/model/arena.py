@@ -16,7 +16,6 @@ disk tier): the engine hands it to the cache as its mover.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 import sys
@@ -28,6 +27,7 @@ import torch
 
 from ragcache_backend.cache.blocks import KVRun
 from ragcache_backend.errors import InvalidRequestError
+from ragcache_backend.model.heap import libc
 from ragcache_backend.model.kernels import native, rope_cos_sin
 
 __all__ = ["BackgroundCommit", "HostKV", "KVArena"]
@@ -37,14 +37,6 @@ _HUGE = 2 << 20  # a transparent huge page on x86-64 Linux, bytes
 _MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 _COMMIT_SLICE = 64 << 20  # bytes per madvise call of a background commit (it checks for stop between them)
-
-
-def _libc() -> ctypes.CDLL | None:
-    """The C library (None where it cannot be loaded)."""
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
-        return None
 
 
 def advise_huge_pages(t: torch.Tensor) -> bool:
@@ -61,9 +53,9 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
     end = (t.data_ptr() + t.numel() * t.element_size()) // _HUGE * _HUGE
     if end <= start:
         return False
-    libc = _libc()
+    lib = libc()
     try:
-        ok = libc is not None and libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE) == 0
+        ok = lib is not None and lib.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE) == 0
     except AttributeError:
         return False
     if not ok:
@@ -106,8 +98,8 @@ class BackgroundCommit:
         from ragcache_backend.cache.disk import lower_thread_priority  # the disk writers' helper
 
         lower_thread_priority(19)
-        libc = _libc()
-        if libc is None:
+        lib = libc()
+        if lib is None:
             self.error = "libc not found"
             return
         for start, length in self._ranges:
@@ -116,7 +108,7 @@ class BackgroundCommit:
                 if self._stop.is_set():
                     return
                 n = min(_COMMIT_SLICE, length - off)
-                if libc.madvise(ctypes.c_void_p(start + off), ctypes.c_size_t(n), _MADV_POPULATE_WRITE) != 0:
+                if lib.madvise(ctypes.c_void_p(start + off), ctypes.c_size_t(n), _MADV_POPULATE_WRITE) != 0:
                     self.error = f"madvise(MADV_POPULATE_WRITE) failed: errno {ctypes.get_errno()}"
                     log.debug("background commit of the arena stopped: %s", self.error)
                     return

@@ -36,12 +36,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import sys
 import threading
 
-__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "keep_activation_pages"]
+__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "keep_activation_pages", "libc"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,17 @@ TRIM_THRESHOLD = 1 << 30
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # <malloc.h>
 _lock = threading.Lock()
 _kept: bool | None = None
+
+
+@functools.cache
+def libc() -> ctypes.CDLL | None:
+    """The process's C library, loaded once with ``errno`` kept for ``ctypes.get_errno`` (None where
+    it cannot be loaded). Shared by the heap settings here, the server's heap trimmer and the
+    arena's ``madvise`` calls."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
 
 
 def keep_activation_pages() -> bool:
@@ -69,11 +81,11 @@ def keep_activation_pages() -> bool:
 def _raise_thresholds() -> bool:
     if not sys.platform.startswith("linux") or os.environ.get("RAGCACHE_KEEP_HEAP", "1") == "0":
         return False
+    lib = libc()
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-        libc.gnu_get_libc_version  # noqa: B018 - glibc only (musl has mallopt as a no-op stub)
-    except (OSError, AttributeError):
+        mallopt = lib.mallopt
+        lib.gnu_get_libc_version  # noqa: B018 - glibc only (musl has mallopt as a no-op stub)
+    except AttributeError:  # no C library (None) or not glibc
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     ok = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1

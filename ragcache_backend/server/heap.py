@@ -28,6 +28,8 @@ import sys
 import threading
 from collections.abc import Callable
 
+from ragcache_backend.model.heap import libc
+
 __all__ = ["HeapTrimmer"]
 
 log = logging.getLogger(__name__)
@@ -62,9 +64,9 @@ class HeapTrimmer:
         self._trim = None
         if sys.platform.startswith("linux"):
             try:
-                self._trim = ctypes.CDLL("libc.so.6").malloc_trim
+                self._trim = libc().malloc_trim
                 self._trim.argtypes, self._trim.restype = [ctypes.c_size_t], ctypes.c_int
-            except (OSError, AttributeError):
+            except AttributeError:  # no C library (None), or one without malloc_trim
                 self._trim = None
 
     @property
