@@ -9,8 +9,8 @@ called through ctypes on the same inputs: one layer of the default model's shape
 query heads, 3 KV heads, head size 64), contexts in shuffled 16-slot blocks of an arena as the
 engine lays them out, 2 threads. Cases: cold prompts of 1,000 and 2,000 tokens, 512 new tokens over
 1,536 cached, a burst-like mixed step (prompts of 915, 788 and 343 tokens and two decode rows
-over 1,000), and decode steps over all 30 layers, each layer its own arena (1 or 8 generated tokens
-over 1,900 keys, 8 over 300), so that their KV comes from memory as in a real step. FLOPs counted
+over 1,000), and decode steps over all 30 layers, each layer its own arena (1 generated token over
+600, 1,024 or 1,900 keys, 8 over 1,900, 900 or 300), so that their KV comes from memory as in a real step. FLOPs counted
 are the causal ones (4 * head size * query heads per query-key pair).
 Each round times both versions one after the other, in alternating order; median (min) reported.
 """
@@ -127,9 +127,12 @@ def main() -> None:
             "mixed: 915 + 788 + 343 + 2 decodes": Step([(0, 915, False), (0, 788, False), (0, 343, False),
                                                          (999, 1, True), (999, 1, True)], *shape, gen),
             # decode steps, every layer of the model (30): the KV is read from memory, as in a real step
+            "decode: 1 over 600, 30 layers": Step([(599, 1, True)], *shape, gen, layers=30),
+            "decode: 1 over 1,024, 30 layers": Step([(1023, 1, True)], *shape, gen, layers=30),
             "decode: 1 over 1,900, 30 layers": Step([(1899, 1, True)], *shape, gen, layers=30),
             "decode: 8 over 1,900, 30 layers": Step([(1899, 1, True)] * 8, *shape, gen, layers=30),
             "decode: 8 over 300, 30 layers": Step([(299, 1, True)] * 8, *shape, gen, layers=30),
+            "decode: 8 over 900, 30 layers": Step([(899, 1, True)] * 8, *shape, gen, layers=30),
         }
         times: dict[str, dict[str, list[float]]] = {name: {"base": [], "new": []} for name in cases}
         same: dict[str, bool] = {}

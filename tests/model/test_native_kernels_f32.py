@@ -190,6 +190,23 @@ def test_one_call_for_a_mixed_step_equals_one_call_per_sequence():
         row += new
 
 
+@pytest.mark.parametrize("context", [300, 513, 700, 767, 768, 1000, 1024, 1025, 2100])
+def test_a_generated_row_has_the_same_bits_alone_and_in_a_batch(context):
+    """Alone, a generated token's keys are split over its KV heads or read whole per chunk,
+    depending on its context (whole rows from 3/4 of a chunk per thread); in a batch of eight
+    they are read whole. Either way the row is the same bits, and right."""
+    kc, vc = _arena(8192, 3, 64, seed=12)
+    g = torch.Generator().manual_seed(context)
+    perm = torch.randperm(8192, generator=g)
+    lengths = [context] + [900] * 7
+    contexts = [perm[sum(lengths[:i]) : sum(lengths[: i + 1])] for i in range(8)]
+    q = torch.randn(8, 9, 64, generator=g)
+    together = native.paged_attention(q, kc, vc, native.attention_batch(contexts, [1] * 8, [True] * 8), 0.125)
+    alone = native.paged_prefill_attention(q[:1], kc, vc, contexts[0], context - 1, 0.125, decode=True)
+    assert torch.equal(together[:1], alone)
+    assert (alone - _reference(q[:1], kc, vc, contexts[0], context - 1)).abs().max().item() < 2e-6
+
+
 
 
 

@@ -374,8 +374,19 @@ TGT static void attend_item(const float *q, int64_t q_row, int64_t D, int64_t g,
 /* ---- generated tokens ---------------------------------------------------------------------- */
 
 /* Ask for the cache lines of floats [p, p + len) (software prefetch). */
-TGT static inline void prefetch_row(const float *p, int64_t len) {
-    for (int64_t c = 0; c < len; c += 16) _mm_prefetch((const char *)(p + c), _MM_HINT_T1);
+/* Load one vector of every cache line of rows [a, b) (len floats each, at base + slots[t] * slot_row)
+ * and discard them: plain loads with nothing depending on them run ahead in the out-of-order
+ * window, so the rows come in at the speed of a plain read (on a 2-core Zen 3 guest ~13 GB/s over
+ * shuffled arena blocks, where the decode loops reading them as they compute, with software
+ * prefetch ahead, got ~7 GB/s: the prefetches did not help, measured with and without). */
+TGT static inline void touch_rows(const float *base, const int64_t *slots, int64_t a, int64_t b, int64_t slot_row,
+                                  int64_t len) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t t = a; t < b; t++) {
+        const float *r = base + slots[t] * slot_row;
+        for (int64_t c = 0; c < len; c += 16) acc = _mm256_or_ps(acc, _mm256_loadu_ps(r + c));
+    }
+    __asm__ volatile("" ::"x"(acc)); /* the loads stay */
 }
 
 /* o[i][D] (+)= sum over keys t in [jb, je) of p[i][t] v_t for gi (1..4, a constant once inlined, so
@@ -466,14 +477,15 @@ TGT512 static void pv_head512(int64_t g, int64_t D, int64_t n, int64_t jb, int64
  * of exp(score - max) [2i+1], then at 2g + i*D the unnormalised o[i][D] = sum_j exp(s_j - max) v_j,
  * then g * (j1 - j0) floats of scratch for the scores.
  * The arena is read row by row: the heads of one slot are adjacent ([slots, Hkv, D]), so the keys
- * of every head of 8 slots are read together, and the values in blocks of DVB slots, with software
- * prefetch ahead of both. Each head's arithmetic is the one-head-at-a-time kernel's (the partial
+ * of every head of 8 slots are read together, and the values in blocks of DVB slots; every DTOUCH
+ * keys (and values) are first touched (touch_rows), then computed on from the cache. Each head's arithmetic is the one-head-at-a-time kernel's (the partial
  * outputs are carried between value blocks in o: a float stored and loaded unchanged), so a row's
  * result is the same bits however its heads are grouped, and as before this kernel. A decode step
- * stays memory-bound: on a 2-core Zen 3, 8 sequences of 1,900 keys over 30 layers read ~700 MB in
- * ~65 ms (~11 GB/s; plainly reading the same rows runs at ~17 GB/s on one core). */
+ * stays memory-bound: on a 2-core Zen 3, 8 sequences of 900 keys over 30 layers read 332 MB in
+ * ~31-33 ms with the touch (~10-11 GB/s) and ~43-46 ms without (plainly reading the same rows: ~26 ms). */
 #define DVB 16 /* decode: values per block (one arena block of rows) */
-#define DPF 32 /* decode: keys prefetched ahead */
+#define DTOUCH 64 /* decode: keys (values) touched at a time, 48 KiB of rows at 3 KV heads of 64 */
+_Static_assert(DTOUCH % DVB == 0 && DTOUCH % 8 == 0, "a touched block holds whole key and value blocks");
 TGT static void decode_heads(const float *q, int64_t D, int64_t g, int64_t h0, int64_t h1, int64_t j0, int64_t j1,
                              const float *kc, const float *vc, int64_t slot_row, const int64_t *slots, float scale,
                              float *const *pp, int wide) {
@@ -485,8 +497,8 @@ TGT static void decode_heads(const float *q, int64_t D, int64_t g, int64_t h0, i
     for (; j + 8 <= n; j += 8) {
         const float *kr[8];
         for (int jj = 0; jj < 8; jj++) kr[jj] = kc + slots[j0 + j + jj] * slot_row;
-        if (j + DPF + 8 <= n) /* the keys DPF slots ahead start to come in */
-            for (int jj = 0; jj < 8; jj++) prefetch_row(kc + slots[j0 + j + DPF + jj] * slot_row + h0 * D, (h1 - h0) * D);
+        if (j % DTOUCH == 0)
+            touch_rows(kc + h0 * D, slots + j0, j, j + DTOUCH < n ? j + DTOUCH : n, slot_row, (h1 - h0) * D);
         for (int64_t h = h0; h < h1; h++) {
             float *blk = pp[h - h0];
             for (int64_t i = 0; i < g; i++) {
@@ -537,8 +549,8 @@ TGT static void decode_heads(const float *q, int64_t D, int64_t g, int64_t h0, i
      * heads per register tile, carried over in o */
     for (int64_t jb = 0; jb < n; jb += DVB) {
         const int64_t je = jb + DVB < n ? jb + DVB : n;
-        for (int64_t t = je; t < je + DVB && t < n; t++) /* the next block's values start to come in */
-            prefetch_row(vc + slots[j0 + t] * slot_row + h0 * D, (h1 - h0) * D);
+        if (jb % DTOUCH == 0)
+            touch_rows(vc + h0 * D, slots + j0, jb, jb + DTOUCH < n ? jb + DTOUCH : n, slot_row, (h1 - h0) * D);
         for (int64_t h = h0; h < h1; h++) {
             float *blk = pp[h - h0], *o = blk + 2 * g;
             const float *scores = blk + g * (2 + D);
@@ -587,11 +599,15 @@ typedef struct {
     int64_t hn;           /* decode: KV heads h .. h + hn - 1 */
 } work32_t;
 
-/* decode work items per (sequence, key chunk): every KV head in one item (whole arena rows), or
- * one head per item when that leaves fewer than two items per thread (a short batch-1 context) or
- * the model has more than HKVMAX KV heads */
-static int64_t decode_head_group(int64_t chunks, int64_t Hkv, int nthreads) {
-    return chunks >= 2 * (int64_t)nthreads && Hkv <= HKVMAX ? Hkv : 1;
+/* decode work items per (sequence, key chunk): every KV head in one item (whole arena rows, read
+ * ~1.4x faster than one head's part of each), or one head per item when whole chunks would leave
+ * a thread idle or with under 3/4 of a chunk (a short batch-1 context: keys < 3/4 * nthreads *
+ * DCHUNK with fewer than two chunks per thread) or the model has more than HKVMAX KV heads. How the
+ * heads are grouped never changes a row's bits. */
+static int64_t decode_head_group(int64_t chunks, int64_t keys, int64_t Hkv, int nthreads) {
+    if (Hkv > HKVMAX) return 1;
+    if (chunks >= 2 * (int64_t)nthreads) return Hkv;
+    return chunks >= nthreads && 4 * keys >= 3 * (int64_t)nthreads * DCHUNK ? Hkv : 1;
 }
 
 /* Attention of a whole forward step, one call per layer, several sequences.
@@ -649,7 +665,7 @@ TGT int rc32_paged_attention(const float *q, int64_t q_row, const float *kc, con
         dec_chunks += nchunks[b];
         part_floats += Hkv * nchunks[b] * g * (DCHUNK + 2 + D);
     }
-    const int64_t hg = decode_head_group(dec_chunks, Hkv, nthreads);
+    const int64_t hg = decode_head_group(dec_chunks, dec_keys, Hkv, nthreads);
     const int64_t ntiles = item_tiles(g); /* each thread's prompt-item scratch: tile states and accumulators */
     tile32_t *tstate = nitems ? malloc(sizeof(tile32_t) * (size_t)(nthreads * ntiles)) : NULL;
     float *taccs = nitems ? aligned_alloc(64, sizeof(float) * (size_t)(nthreads * ntiles * QT * DMAX)) : NULL;
@@ -1026,7 +1042,7 @@ TGT int rc32_decode_step(const rc32_layer_t *layers, int64_t L, float *h, float 
         nitems += Hkv * ((S + DCHUNK - 1) / DCHUNK);
         nchunks += (S + DCHUNK - 1) / DCHUNK;
     }
-    const int64_t hg = decode_head_group(nchunks, Hkv, nthreads);
+    const int64_t hg = decode_head_group(nchunks, ctx_off[M] - ctx_off[0], Hkv, nthreads);
     float *qkv = malloc(sizeof(float) * (size_t)(M * row));
     float *att = malloc(sizeof(float) * (size_t)(M * Hq * D));
     float *tmp = malloc(sizeof(float) * (size_t)(M * H));
