@@ -9,8 +9,10 @@ called through ctypes on the same inputs: one layer of the default model's shape
 query heads, 3 KV heads, head size 64), contexts in shuffled 16-slot blocks of an arena as the
 engine lays them out, 2 threads. Cases: cold prompts of 1,000 and 2,000 tokens, 512 new tokens over
 1,536 cached, a burst-like mixed step (prompts of 915, 788 and 343 tokens and two decode rows
-over 1,000), and decode steps over all 30 layers, each layer its own arena (1 generated token over
-600, 1,024 or 1,900 keys, 8 over 1,900, 900 or 300), so that their KV comes from memory as in a real step. FLOPs counted
+over 1,000), and steps over all 30 layers, each layer its own arena, so that their KV comes from
+memory as in a real step: 30 new tokens over 1,024 cached, a mixed step (two prompts of 280 over 535
+cached, two decode rows over 1,000), and decode steps (1 generated token over 600, 1,024 or 1,900
+keys, 8 over 1,900, 900 or 300). FLOPs counted
 are the causal ones (4 * head size * query heads per query-key pair).
 Each round times both versions one after the other, in alternating order; median (min) reported.
 """
@@ -126,7 +128,10 @@ def main() -> None:
             "512 over 1,536 cached": Step([(1536, 512, False)], *shape, gen),
             "mixed: 915 + 788 + 343 + 2 decodes": Step([(0, 915, False), (0, 788, False), (0, 343, False),
                                                          (999, 1, True), (999, 1, True)], *shape, gen),
-            # decode steps, every layer of the model (30): the KV is read from memory, as in a real step
+            # every layer of the model (30): the KV is read from memory, as in a real step
+            "30 over 1,024 cached, 30 layers": Step([(1024, 30, False)], *shape, gen, layers=30),
+            "mixed: 2 x 280 over 535 + 2 decodes, 30 layers": Step([(535, 280, False), (535, 280, False), (999, 1, True),
+                                                                    (999, 1, True)], *shape, gen, layers=30),
             "decode: 1 over 600, 30 layers": Step([(599, 1, True)], *shape, gen, layers=30),
             "decode: 1 over 1,024, 30 layers": Step([(1023, 1, True)], *shape, gen, layers=30),
             "decode: 1 over 1,900, 30 layers": Step([(1899, 1, True)], *shape, gen, layers=30),
@@ -151,7 +156,7 @@ def main() -> None:
     m = machine()
     print(f"{m['cpu']} ({m['isa']}), {args.threads} threads, float32, Hq {args.heads} Hkv {args.kv_heads} D {args.head_dim}; "
           f"base {args.base} vs this tree; median (min) of {args.repeats} interleaved rounds; {m['date']}")
-    print(f"{'case':36s} {'base ms':>16s} {'new ms':>16s} {'GFLOPS base/new':>16s} {'new/base':>9s} {'same bits':>9s}")
+    print(f"{'case':48s} {'base ms':>16s} {'new ms':>16s} {'GFLOPS base/new':>16s} {'new/base':>9s} {'same bits':>9s}")
     report = {}
     for name, t in times.items():
         b, n = statistics.median(t["base"]), statistics.median(t["new"])
@@ -159,7 +164,7 @@ def main() -> None:
         report[name] = {"base_ms": b * 1e3, "new_ms": n * 1e3, "base_min_ms": min(t["base"]) * 1e3,
                         "new_min_ms": min(t["new"]) * 1e3, "ratio": n / b, "gflops_base": flops / b / 1e9,
                         "gflops_new": flops / n / 1e9, "flops": flops, "same_bits": same[name]}
-        print(f"{name:36s} {b * 1e3:7.1f} ({min(t['base']) * 1e3:6.1f}) {n * 1e3:7.1f} ({min(t['new']) * 1e3:6.1f}) "
+        print(f"{name:48s} {b * 1e3:7.1f} ({min(t['base']) * 1e3:6.1f}) {n * 1e3:7.1f} ({min(t['new']) * 1e3:6.1f}) "
               f"{flops / b / 1e9:7.1f}/{flops / n / 1e9:<7.1f} {n / b:9.3f} {str(same[name]):>9s}")
     if args.json:
         args.json.write_text(json.dumps({"machine": m, "base": args.base, "repeats": args.repeats,
