@@ -373,7 +373,6 @@ TGT static void attend_item(const float *q, int64_t q_row, int64_t D, int64_t g,
 
 /* ---- generated tokens ---------------------------------------------------------------------- */
 
-/* Ask for the cache lines of floats [p, p + len) (software prefetch). */
 /* Load one vector of every cache line of rows [a, b) (len floats each, at base + slots[t] * slot_row)
  * and discard them: plain loads with nothing depending on them run ahead in the out-of-order
  * window, so the rows come in at the speed of a plain read (on a 2-core Zen 3 guest ~13 GB/s over
@@ -478,7 +477,8 @@ TGT512 static void pv_head512(int64_t g, int64_t D, int64_t n, int64_t jb, int64
  * then g * (j1 - j0) floats of scratch for the scores.
  * The arena is read row by row: the heads of one slot are adjacent ([slots, Hkv, D]), so the keys
  * of every head of 8 slots are read together, and the values in blocks of DVB slots; every DTOUCH
- * keys (and values) are first touched (touch_rows), then computed on from the cache. Each head's arithmetic is the one-head-at-a-time kernel's (the partial
+ * keys (and values) are first touched (touch_rows), then computed on from the cache. Each head's
+ * arithmetic is the one-head-at-a-time kernel's (the partial
  * outputs are carried between value blocks in o: a float stored and loaded unchanged), so a row's
  * result is the same bits however its heads are grouped, and as before this kernel. A decode step
  * stays memory-bound: on a 2-core Zen 3, 8 sequences of 900 keys over 30 layers read 332 MB in
