@@ -195,9 +195,9 @@ def test_a_generated_row_has_the_same_bits_alone_and_in_a_batch(context):
     """Alone, a generated token's keys are split over its KV heads or read whole per chunk,
     depending on its context (whole rows from 3/4 of a chunk per thread); in a batch of eight
     they are read whole. Either way the row is the same bits, and right."""
-    kc, vc = _arena(8192, 3, 64, seed=12)
+    kc, vc = _arena(16384, 3, 64, seed=12)
     g = torch.Generator().manual_seed(context)
-    perm = torch.randperm(8192, generator=g)
+    perm = torch.randperm(16384, generator=g)
     lengths = [context] + [900] * 7
     contexts = [perm[sum(lengths[:i]) : sum(lengths[: i + 1])] for i in range(8)]
     q = torch.randn(8, 9, 64, generator=g)
