@@ -12,8 +12,8 @@ engine lays them out, 2 threads. Cases: cold prompts of 1,000 and 2,000 tokens, 
 over 1,000), and steps over all 30 layers, each layer its own arena, so that their KV comes from
 memory as in a real step: 30 new tokens over 1,024 cached, a mixed step (two prompts of 280 over 535
 cached, two decode rows over 1,000), and decode steps (1 generated token over 600, 1,024 or 1,900
-keys, 8 over 1,900, 900 or 300). FLOPs counted
-are the causal ones (4 * head size * query heads per query-key pair).
+keys, 8 over 1,900, 900 or 300). FLOPs counted are the causal ones (4 * head size * query heads per
+query-key pair).
 Each round times both versions one after the other, in alternating order; median (min) reported.
 """
 

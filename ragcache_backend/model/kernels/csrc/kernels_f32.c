@@ -478,9 +478,9 @@ TGT512 static void pv_head512(int64_t g, int64_t D, int64_t n, int64_t jb, int64
  * The arena is read row by row: the heads of one slot are adjacent ([slots, Hkv, D]), so the keys
  * of every head of 8 slots are read together, and the values in blocks of DVB slots; every DTOUCH
  * keys (and values) are first touched (touch_rows), then computed on from the cache. Each head's
- * arithmetic is the one-head-at-a-time kernel's (the partial
- * outputs are carried between value blocks in o: a float stored and loaded unchanged), so a row's
- * result is the same bits however its heads are grouped, and as before this kernel. A decode step
+ * arithmetic is the one-head-at-a-time kernel's (the partial outputs are carried between value
+ * blocks in o: a float stored and loaded unchanged), so a row's result is the same bits however its
+ * heads are grouped, and as before this kernel. A decode step
  * stays memory-bound: on a 2-core Zen 3, 8 sequences of 900 keys over 30 layers read 332 MB in
  * ~31-33 ms with the touch (~10-11 GB/s) and ~43-46 ms without (plainly reading the same rows: ~26 ms). */
 #define DVB 16 /* decode: values per block (one arena block of rows) */
@@ -596,7 +596,7 @@ TGT static void decode_merge(int64_t nc, int64_t g, int64_t D, const float *part
 typedef struct {
     int64_t seq, h, a, b; /* prompt: query positions [a, b); decode: keys [a, b) */
     int64_t chunk;        /* decode: index of this key chunk among its (seq, h)'s; -1 for a prompt item */
-    int64_t hn;           /* decode and packing: KV heads h .. h + hn - 1 */
+    int64_t hn;           /* decode: KV heads h .. h + hn - 1 */
 } work32_t;
 
 /* decode work items per (sequence, key chunk): every KV head in one item (whole arena rows, read
@@ -702,7 +702,7 @@ TGT int rc32_paged_attention(const float *q, int64_t q_row, const float *kc, con
         int64_t T = q_off[b + 1] - q_off[b], S = ctx_off[b + 1] - ctx_off[b];
         int64_t S_pad = (S + KB - 1) / KB * KB, nqb = (T + QPOS - 1) / QPOS;
         at += 2 * Hkv * S_pad * D;
-        for (int64_t c = 0; c < S_pad / KB; c++) packs[np++] = (work32_t){b, 0, c, 0, -1, Hkv}; /* every head */
+        for (int64_t c = 0; c < S_pad / KB; c++) packs[np++] = (work32_t){b, 0, c, 0, -1}; /* every KV head */
         for (int64_t qb = nqb - 1; qb >= 0; qb--) /* the latest query blocks (most keys) first */
             for (int64_t h = 0; h < Hkv; h++)
                 items[ni++] = (work32_t){b, h, qb * QPOS, (qb + 1) * QPOS < T ? (qb + 1) * QPOS : T, -1};
@@ -719,14 +719,15 @@ TGT int rc32_paged_attention(const float *q, int64_t q_row, const float *kc, con
         for (int64_t w = 0; w < np; w++) {
             work32_t it = packs[w];
             int64_t S = ctx_off[it.seq + 1] - ctx_off[it.seq], S_pad = (S + KB - 1) / KB * KB;
-            const int64_t *sl = slots + ctx_off[it.seq], ja = it.a * KB, jb = (it.a + 1) * KB < S ? (it.a + 1) * KB : S;
-            if (ja < jb) touch_rows(kc, sl, ja, jb, slot_row, slot_row); /* whole arena rows come in, then are packed */
-            for (int64_t h = it.h; h < it.h + it.hn; h++) {
+            const int64_t *sl = slots + ctx_off[it.seq];
+            const int64_t end = (it.a + 1) * KB < S ? (it.a + 1) * KB : S;
+            touch_rows(kc, sl, it.a * KB, end, slot_row, slot_row); /* whole arena rows come in, then are packed */
+            for (int64_t h = 0; h < Hkv; h++) {
                 float *kp = pack + pack_at[it.seq] + h * S_pad * D;
                 pack_keys(kc, slot_row, sl, S, h, D, it.a * KB, (it.a + 1) * KB, wide ? 16 : 8, kp);
             }
-            if (ja < jb) touch_rows(vc, sl, ja, jb, slot_row, slot_row);
-            for (int64_t h = it.h; h < it.h + it.hn; h++) {
+            touch_rows(vc, sl, it.a * KB, end, slot_row, slot_row);
+            for (int64_t h = 0; h < Hkv; h++) {
                 float *kp = pack + pack_at[it.seq] + h * S_pad * D;
                 pack_values(vc, slot_row, sl, S, h, D, it.a * KB, (it.a + 1) * KB, kp + Hkv * S_pad * D);
             }
