@@ -48,7 +48,7 @@ class Clock:
     """Wall seconds of every call of ``owner.name``, kept per call while installed."""
 
     def __init__(self, owner: object, name: str) -> None:
-        self.owner, self.name, self.calls = owner, name, []
+        self.calls: list[float] = []
         self.inner = getattr(owner, name)
 
         def timed(*args, **kwargs):
@@ -88,7 +88,7 @@ def main() -> None:
     unique = weight_bytes(engine.loaded.model)
     head = model.lm_head.weight
     head_bytes = head.numel() * head.element_size()
-    layer_bytes = unique - head_bytes  # the head's weight is the (tied) embedding: counted once, in the head
+    layer_bytes = weight_bytes(engine.loaded.model.model.layers)  # the decoder layers' weights (and norms)
     mid_context = args.context + args.steps // 2
     kv_bytes = args.batch * mid_context * runner.kv_bytes_per_token
     ids = lambda n: [rng.randrange(1000, 40000) for _ in range(n)]  # noqa: E731
