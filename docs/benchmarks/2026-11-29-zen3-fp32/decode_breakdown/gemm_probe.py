@@ -1,6 +1,7 @@
 """Probe (2026-11-29): SmolLM2-135M's four layer GEMMs (QKV, O, gate/up, down; fp32, 2 threads) over
-M prompt rows: oneDNN with the weight packed once (the engine's prompt path, ``Linear.gemm``)
-against ``F.linear`` (MKL), alternating, 7 rounds after one warm-up; median ms and GFLOPS.
+M prompt rows: oneDNN with the weight packed once (the engine's prompt path: ``pack_linear``, then
+``Linear.gemm``) against ``F.linear`` (MKL), alternating, 7 rounds after one warm-up; median ms and
+GFLOPS.
 
     .venv/bin/python docs/benchmarks/2026-11-29-zen3-fp32/decode_breakdown/gemm_probe.py
 """
@@ -10,12 +11,15 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ragcache_backend.model.kernels.linear import pack_linear
+
 torch.set_num_threads(2)
 g = torch.Generator().manual_seed(0)
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 for M in (512, 2048):
     Ws = [torch.randn(n, k, generator=g) * k ** -0.5 for n, k in SHAPES]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in Ws]
+    packed = [pack_linear(w) for w in Ws]
+    assert all(p.packed is not None for p in packed), "oneDNN weight packing unavailable in this torch"
     X = {k: torch.randn(M, k, generator=g) for k in (576, 1536)}
     T = {"oneDNN, packed weight": [], "F.linear (MKL)": []}
     for r in range(8):
@@ -23,7 +27,7 @@ for M in (512, 2048):
             t = time.perf_counter()
             for w, p in zip(Ws, packed):
                 x = X[w.shape[1]]
-                torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") if name.startswith("oneDNN") else F.linear(x, w)
+                p.gemm(x) if name.startswith("oneDNN") else F.linear(x, w)
             if r:
                 T[name].append(time.perf_counter() - t)
     flops = sum(2 * M * n * k for n, k in SHAPES)
