@@ -201,9 +201,9 @@ class ModelRunner:
             raise InvalidRequestError("forward needs at least one sequence with at least one new token")
         if all_logits and any(item.blend or item.focus for item in batch):
             raise InvalidRequestError("all_logits cannot be combined with rows that stop part-way")
+        decode = [self._as_decode(item) for item in batch]
         st = StepRows(self.num_layers, self.layers.native_attention, self.device, list(lengths), torch.empty(0),
-                      torch.empty(0), [], [], [], [item.decode for item in batch], [],
-                      native_positions=self.layers.native_positions)
+                      torch.empty(0), [], [], [], decode, [], native_positions=self.layers.native_positions)
         new_slots, positions, row = [], [], 0
         for idx, (item, n) in enumerate(zip(batch, lengths)):
             cached = self.slots(item.cached)
@@ -226,7 +226,7 @@ class ModelRunner:
                 pos = torch.arange(start, start + n, device=self.device)
                 ctx = torch.cat((cached, target)) if cached.numel() else target
                 st.cached_slots.append(cached if cached.numel() else None)
-                st.modes.append(attention_plan(start, n, self.dtype, self.device, decode=item.decode))
+                st.modes.append(attention_plan(start, n, self.dtype, self.device, decode=decode[idx]))
                 st.context.append(ctx)
             if (explicit or item.stat_segments is not None or item.guard or item.blend or item.focus
                     or item.guard_segments is not None):
@@ -266,6 +266,24 @@ class ModelRunner:
                 out.depth[c.index] = tuple(c.stopped.get(r, self.num_layers) for r in range(lengths[c.index]))
             out.focus_layer[c.index] = c.focus_layer
         return out
+
+    def _as_decode(self, item: ForwardInput) -> bool:
+        """Whether ``item``'s row runs as a generated token's: a decode step, or (float32 on the native
+        fused path) a prompt's one new token over a cached context with no chunk-cache extras, as a
+        full cache hit's last token is. Such a row then takes the generated tokens' few-row GEMM and
+        decode attention kernel, so its bits no longer depend on what shares its step (as a prompt
+        row it took oneDNN's GEMM in a step of more than 16 prompt rows), and a step of such rows and
+        decodes runs as one whole-step decode instead of the per-operation path reading the weights
+        twice (in the 200-client cold burst of ``benchmarks/serve_load.py``, 2-core Zen 3,
+        2026-11-29: a step of one or two such rows and six or seven decodes took 110-200 ms, a
+        step of eight decodes 77 ms). Against the prompt kernels the row's logits move by float32
+        rounding only."""
+        if item.decode:
+            return True
+        return (len(item.new_tokens) == 1 and self.dtype == torch.float32 and self.layers.native_fused
+                and sum(run.length for run in item.cached) > 0 and item.positions is None
+                and item.stat_segments is None and not item.guard and item.blend is None and item.focus is None
+                and item.guard_segments is None)
 
     # ---- profiling -------------------------------------------------------------------------------
     def time_prefill(self, cached: int, new: int) -> float:

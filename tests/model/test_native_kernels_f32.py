@@ -428,6 +428,47 @@ def test_a_decode_step_in_one_native_call_equals_the_per_operation_kernels(tiny_
     assert torch.equal(whole.arena.k_cache, per_op.arena.k_cache) and torch.equal(whole.arena.v_cache, per_op.arena.v_cache)
 
 
+def test_a_cache_hits_one_new_token_runs_as_a_generated_tokens_row(tiny_llama, monkeypatch):
+    """A prompt's one new token over a cached context (a full cache hit's last token) takes the
+    generated tokens' kernels: beside decodes the step is one whole-step decode call, and its logits
+    and K/V are the same bits whatever shares its step (alone, beside decodes, beside a long prompt
+    chunk, per-operation kernels), and agree with the cold prompt's last row within float32 rounding."""
+    from ragcache_backend.model.runner import ForwardInput, KVRun, ModelRunner
+
+    runner = ModelRunner(copy.deepcopy(tiny_llama), num_device_blocks=240, block_size=16)
+    calls = []
+    one_call = native.decode_step
+    monkeypatch.setattr(native, "decode_step", lambda *a, **k: (calls.append(1), one_call(*a, **k))[1])
+    g = torch.Generator().manual_seed(31)
+    hit, other, long = (tuple(torch.randint(0, 512, (n,), generator=g).tolist()) for n in (600, 300, 90))
+    bh, bo, bl = (tuple(range(i * 80, i * 80 + 80)) for i in range(3))
+    cold = runner.forward([ForwardInput(hit, (), (KVRun(bh, 0, 600),))])[0]
+    runner.forward([ForwardInput(other, (), (KVRun(bo, 0, 300),))])
+    cold_k = runner.arena.k_cache[:, runner.slots((KVRun(bh, 599, 1),))].clone()
+
+    def last(decode: bool = False) -> ForwardInput:
+        return ForwardInput(hit[-1:], (KVRun(bh, 0, 599),), (KVRun(bh, 599, 1),), decode=decode)
+
+    def step(items: list[ForwardInput]) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = runner.forward(items)[0]
+        return logits, runner.arena.k_cache[:, runner.slots((KVRun(bh, 599, 1),))].clone()
+
+    beside = ForwardInput((7,), (KVRun(bo, 0, 300),), (KVRun(bo, 300, 1),), decode=True)
+    n0 = len(calls)
+    alone = step([last()])
+    with_decode = step([last(), beside])
+    assert len(calls) == n0 + 2  # both steps: one whole-step decode call
+    with_chunk = step([last(), ForwardInput(long, (), (KVRun(bl, 0, 90),))])  # 91 rows: the per-operation path
+    assert len(calls) == n0 + 2
+    as_decode = step([last(decode=True)])
+    for got in (with_decode, with_chunk, as_decode):
+        assert torch.equal(got[0], alone[0]) and torch.equal(got[1], alone[1])
+    runner.layers.whole_step_decode = False
+    assert all(torch.equal(a, b) for a, b in zip(step([last(), beside]), alone))
+    assert (alone[0] - cold).abs().max().item() < 1e-4 and int(alone[0].argmax()) == int(cold.argmax())
+    assert (alone[1] - cold_k).abs().max().item() < 1e-4
+
+
 @pytest.mark.skipif(not _WIDE, reason="this CPU has no AVX-512F: the kernels run on 256-bit registers only")
 def test_the_model_gives_the_same_bits_on_512_and_256_bit_registers(tiny_llama):
     """A prefill, a prefill over a cached prefix and decode steps (whole-step calls) give the same
