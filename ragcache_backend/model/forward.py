@@ -128,7 +128,9 @@ class StepRows:
         modes: per sequence, its attention plan (None: explicit positions).
         context: per sequence, ``[S]`` slots of its whole context (native kernel; None: explicit
             positions).
-        decode: per sequence, whether its one new token is a generated token.
+        decode: per sequence, whether its one new token runs as a generated token's row (decode
+            kernels): a decode step, and in float32 on the native fused path a prompt's one new
+            token over a cached context (the runner decides).
         chunks: the :class:`~ragcache_backend.model.chunk_rows.ChunkRows` of the chunk-cache sequences.
         native_positions: the native kernel also serves the sequences at explicit positions (the
             float32 and bf16 kernels: :func:`~ragcache_backend.model.kernels.native.takes_positions`); else
