@@ -32,8 +32,10 @@ class ForwardInput:
             With ``positions``: the *whole* context in position order, the new tokens' slots included.
         target: where the new tokens' KV is written, in order; lengths sum to ``T``. Empty with
             ``positions``.
-        decode: the one new token is a generated token (decode kernel), not a prompt token
-            (prompt tokens always take the prefill kernels, for bf16 exactness).
+        decode: the one new token is a generated token (decode kernels), not a prompt token. In
+            bf16 prompt tokens always take the prefill kernels (exactness); in float32 on the native
+            fused path the runner also runs a prompt's one new token over a cached context (no
+            chunk-cache extras) on the decode kernels.
         positions: ascending positions of the new tokens inside the context (``< S``), or None for
             the ``T`` positions after ``cached``. Token ``i`` is written at the slot of position
             ``positions[i]`` and attends to positions ``0 .. positions[i]`` (chunk-cache

@@ -269,14 +269,16 @@ class ModelRunner:
 
     def _as_decode(self, item: ForwardInput) -> bool:
         """Whether ``item``'s row runs as a generated token's: a decode step, or (float32 on the native
-        fused path) a prompt's one new token over a cached context with no chunk-cache extras, as a
-        full cache hit's last token is. Such a row then takes the generated tokens' few-row GEMM and
-        decode attention kernel, so its bits no longer depend on what shares its step (as a prompt
-        row it took oneDNN's GEMM in a step of more than 16 prompt rows), and a step of such rows and
-        decodes runs as one whole-step decode instead of the per-operation path reading the weights
-        twice (in the 200-client cold burst of ``benchmarks/serve_load.py``, 2-core Zen 3,
-        2026-11-29: a step of one or two such rows and six or seven decodes took 110-200 ms, a
-        step of eight decodes 77 ms). Against the prompt kernels the row's logits move by float32
+        fused path) a prompt's one new token over a cached context with no chunk-cache extras (a full
+        cache hit's last token; a prompt chunk the step's token budget cut to one token). Such a row
+        takes the generated tokens' few-row GEMM and decode attention kernel, so in a step of up to
+        16 sequences its bits no longer depend on what shares the step (as a prompt row it took
+        oneDNN's GEMM in a step of more than 16 prompt rows; beyond 16 sequences the last layer's
+        GEMMs over one row per sequence take oneDNN, for generated tokens too). A step of such rows
+        and decodes then runs as one whole-step decode instead of the per-operation path, which read
+        the weights twice (the 200-client cold burst of ``benchmarks/serve_load.py``, 2-core Zen 3,
+        2026-11-29: a step of one or two such rows and six or seven decodes took 110-200 ms, a step
+        of eight decodes 77 ms). Against the prompt kernels the row's logits move by float32
         rounding only."""
         if item.decode:
             return True

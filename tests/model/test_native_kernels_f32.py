@@ -430,8 +430,8 @@ def test_a_decode_step_in_one_native_call_equals_the_per_operation_kernels(tiny_
 
 def test_a_cache_hits_one_new_token_runs_as_a_generated_tokens_row(tiny_llama, monkeypatch):
     """A prompt's one new token over a cached context (a full cache hit's last token) takes the
-    generated tokens' kernels: beside decodes the step is one whole-step decode call, and its logits
-    and K/V are the same bits whatever shares its step (alone, beside decodes, beside a long prompt
+    generated tokens' kernels: beside a decode the step is one whole-step decode call, and its logits
+    and K/V are the same bits whatever shares its step (alone, beside a decode, beside a long prompt
     chunk, per-operation kernels), and agree with the cold prompt's last row within float32 rounding."""
     from ragcache_backend.model.runner import ForwardInput, KVRun, ModelRunner
 
@@ -444,14 +444,15 @@ def test_a_cache_hits_one_new_token_runs_as_a_generated_tokens_row(tiny_llama, m
     bh, bo, bl = (tuple(range(i * 80, i * 80 + 80)) for i in range(3))
     cold = runner.forward([ForwardInput(hit, (), (KVRun(bh, 0, 600),))])[0]
     runner.forward([ForwardInput(other, (), (KVRun(bo, 0, 300),))])
-    cold_k = runner.arena.k_cache[:, runner.slots((KVRun(bh, 599, 1),))].clone()
+    slot = runner.slots((KVRun(bh, 599, 1),))
+    cold_kv = torch.cat((runner.arena.k_cache[:, slot], runner.arena.v_cache[:, slot]))
 
     def last(decode: bool = False) -> ForwardInput:
         return ForwardInput(hit[-1:], (KVRun(bh, 0, 599),), (KVRun(bh, 599, 1),), decode=decode)
 
     def step(items: list[ForwardInput]) -> tuple[torch.Tensor, torch.Tensor]:
         logits = runner.forward(items)[0]
-        return logits, runner.arena.k_cache[:, runner.slots((KVRun(bh, 599, 1),))].clone()
+        return logits, torch.cat((runner.arena.k_cache[:, slot], runner.arena.v_cache[:, slot]))
 
     beside = ForwardInput((7,), (KVRun(bo, 0, 300),), (KVRun(bo, 300, 1),), decode=True)
     n0 = len(calls)
@@ -466,7 +467,7 @@ def test_a_cache_hits_one_new_token_runs_as_a_generated_tokens_row(tiny_llama, m
     runner.layers.whole_step_decode = False
     assert all(torch.equal(a, b) for a, b in zip(step([last(), beside]), alone))
     assert (alone[0] - cold).abs().max().item() < 1e-4 and int(alone[0].argmax()) == int(cold.argmax())
-    assert (alone[1] - cold_k).abs().max().item() < 1e-4
+    assert (alone[1] - cold_kv).abs().max().item() < 1e-4
 
 
 @pytest.mark.skipif(not _WIDE, reason="this CPU has no AVX-512F: the kernels run on 256-bit registers only")

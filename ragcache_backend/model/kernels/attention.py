@@ -240,7 +240,8 @@ def attention_plan(num_cached: int, num_new: int, dtype: torch.dtype, device: to
     (of one kind: a sliding-window layer has its own plan).
 
     Args:
-        decode: the new token is a generated one (``num_new`` must be 1), not a prompt token.
+        decode: the one new token runs on the decode form (``num_new`` must be 1): a generated
+            token, or a prompt's one new token the runner treats as one (float32, native fused path).
         window: the layer's sliding window in tokens, or None. While the whole context fits in it
             the plan is the full-attention one (same kernels, same roundings).
 

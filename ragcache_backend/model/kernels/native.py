@@ -118,7 +118,8 @@ class AttentionBatch:
         ctx_off: ``[B + 1]`` int64 offsets of each context in ``slots``.
         q_off: ``[B + 1]`` int64 offsets of each sequence's new rows in the step (``T_b`` rows at the
             end of its context, unless ``q_pos`` places them).
-        decode: ``[B]`` uint8, 1 where the one new token is a generated token (decode kernel).
+        decode: ``[B]`` uint8, 1 where the one new token runs on the decode kernel (a generated token,
+            or a prompt's one new token over a cached context the runner treats as one).
         q_pos: None (every sequence's rows are the last ``T_b`` positions of its context), or ``[N]``
             int64 position of every row in its context (strictly ascending within a sequence, ``<
             S_b``; row ``r`` attends to context positions ``0 .. q_pos[r]``; :func:`takes_positions`).
@@ -142,7 +143,7 @@ def attention_batch(contexts: list[torch.Tensor], num_new: list[int], decode: li
     Args:
         contexts: per sequence, its context's slots (new tokens last, unless ``positions`` places them).
         num_new: per sequence, its new rows ``T_b``.
-        decode: per sequence, whether its one new token is a generated token.
+        decode: per sequence, whether its one new token runs on the decode kernel (see :class:`AttentionBatch`).
         positions: None, or per sequence None (its rows are the last ``T_b`` positions) or ``[T_b]``
             int64 positions of its rows inside its context (chunk-cache recomputation; prompt
             sequences only, strictly ascending, in ``[0, S_b)``). Where one is given the batch
