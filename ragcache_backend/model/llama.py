@@ -346,7 +346,7 @@ class PagedLlama:
                 layer's K/V write reads the other rows (~1/num_layers of a prefill's work saved).
                 A prompt row's attention is the same bits alone as in its whole prompt (the
                 kernel's row independence); its three GEMMs run over ``B`` rows (the few-row
-                kernel up to 16 sequences), in a cold prompt as in a cached one, so the two stay
+                kernel up to 64 sequences), in a cold prompt as in a cached one, so the two stay
                 alike; against running every row the logits move by float32 rounding only.
 
         Returns:

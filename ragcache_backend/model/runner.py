@@ -272,8 +272,8 @@ class ModelRunner:
         fused path) a prompt's one new token over a cached context with no chunk-cache extras (a full
         cache hit's last token; a prompt chunk the step's token budget cut to one token). Such a row
         takes the generated tokens' few-row GEMM and decode attention kernel, so in a step of up to
-        16 sequences its bits no longer depend on what shares the step (as a prompt row it took
-        oneDNN's GEMM in a step of more than 16 prompt rows; beyond 16 sequences the last layer's
+        64 sequences its bits no longer depend on what shares the step (as a prompt row it took
+        oneDNN's GEMM in a step of more than 64 prompt rows; beyond 64 sequences the last layer's
         GEMMs over one row per sequence take oneDNN, for generated tokens too). A step of such rows
         and decodes then runs as one whole-step decode instead of the per-operation path, which read
         the weights twice (the 200-client cold burst of ``benchmarks/serve_load.py``, 2-core Zen 3,

@@ -327,11 +327,15 @@ def test_linear_layers_take_the_rows_kernel_for_few_rows_only():
     from ragcache_backend.model.kernels.linear import pack_linear
 
     g = torch.Generator().manual_seed(3)
-    w, x = torch.randn(96, 64, generator=g), torch.randn(40, 64, generator=g)
+    w, x = torch.randn(96, 64, generator=g), torch.randn(100, 64, generator=g)
     lin = pack_linear(w)
-    assert lin.rows_kernel
+    assert lin.rows_kernel and lin.rows_max == native.LINEAR_PROMPT_ROWS_F32 == 64
     assert torch.equal(lin(x[:4]), native.linear_rows(x[:4], w))
-    assert (lin(x) - F.linear(x, w)).abs().max().item() < 1e-5  # many rows: oneDNN's GEMM
+    assert torch.equal(lin(x[:64]), native.linear_rows(x[:64], w))  # up to 64 rows: one call of the kernel
+    many = lin(x)
+    if lin.packed is not None:  # more rows: oneDNN's GEMM
+        assert torch.equal(many, lin.gemm(x))
+    assert (many - F.linear(x, w)).abs().max().item() < 1e-5
     assert not pack_linear(torch.randn(96, 60)).rows_kernel  # K not a multiple of 8
     assert not native.linear_rows_available(torch.randn(96, 0))  # no inputs: nothing to tile
 

@@ -136,7 +136,7 @@ class Linear:
             rows picked out of a step (the LM head's), which on AMX CPUs always run as small calls.
         rows_kernel: calls of at most ``rows_max`` rows take the native kernel that reads the weight
             once for all rows (:func:`~ragcache_backend.model.kernels.native.linear_rows`, in calls of
-            at most :data:`~ragcache_backend.model.kernels.native.LINEAR_ROWS_MAX` rows).
+            at most ``max(rows_max, LINEAR_ROWS_MAX)`` rows).
         rows_max: most rows of a call that takes the native kernel; None: any number (see :func:`pack_linear`).
         tail_tile: rows of the last, padded tiled call when no more are left (:data:`TAIL_TILE` where
             checked to give :data:`ROW_TILE` calls' bits, else :data:`ROW_TILE`).
@@ -147,9 +147,8 @@ class Linear:
             (:func:`~ragcache_backend.model.kernels.native.decode_step`: the same bits); None where it
             does not run (no AMX, ``RAGCACHE_AMX=0``, not bf16, not a layer GEMM, a shape it does not tile).
         decode_rows: a layer GEMM whose generated tokens' rows (told apart by :func:`step_rows`)
-            take the native kernel whatever else the step holds, in calls of at most
-            :data:`~ragcache_backend.model.kernels.native.LINEAR_ROWS_MAX` rows: the GEMM of a
-            whole-step decode (:func:`~ragcache_backend.model.kernels.native.decode_step`), so a
+            take the native kernel whatever else the step holds (calls as for ``rows_kernel``): the
+            GEMM of a whole-step decode (:func:`~ragcache_backend.model.kernels.native.decode_step`), so a
             generated token gets the same bits in a step mixed with prompt chunks as in a
             decode-only one.
     """
@@ -218,9 +217,11 @@ class Linear:
         return self._tile_parts(x) if _AMX and x.dtype in _REDUCED and x.device.type == "cpu" else [self._rows_alike(x)]
 
     def _native(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` on the native few-row kernel, in calls of at most ``LINEAR_ROWS_MAX`` rows (each row's
-        bits independent of the others)."""
-        step = native.LINEAR_ROWS_MAX
+        """``x`` on the native few-row kernel, in calls of at most ``rows_max`` rows where that is more
+        than :data:`~ragcache_backend.model.kernels.native.LINEAR_ROWS_MAX` (float32 layer GEMMs:
+        :data:`~ragcache_backend.model.kernels.native.LINEAR_PROMPT_ROWS_F32`), else of at most
+        ``LINEAR_ROWS_MAX`` (each row's bits independent of the others and of the call)."""
+        step = max(native.LINEAR_ROWS_MAX, self.rows_max or 0)
         if x.shape[0] <= step:
             return native.linear_rows(x, self.weight, self.bias)
         return torch.cat([native.linear_rows(x[i : i + step], self.weight, self.bias) for i in range(0, x.shape[0], step)])
@@ -334,9 +335,9 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, *, per_s
             its own as well; 1-16 rows on tiles of as many rows: 0.27-0.91x the few-row kernel's
             time for that head, :data:`~ragcache_backend.model.kernels.native.AMX_FEW_ROWS`).
             Otherwise float32 calls of up to
-            :data:`~ragcache_backend.model.kernels.native.LINEAR_ROWS_MAX` rows take it (decode rows)
-            and bf16 calls never (a prompt row's K/V must keep the prompt GEMM's bits, whatever the
-            call's size).
+            :data:`~ragcache_backend.model.kernels.native.LINEAR_PROMPT_ROWS_F32` rows take it (decode
+            rows, a cache hit's new rows) and bf16 calls never (a prompt row's K/V must keep the
+            prompt GEMM's bits, whatever the call's size).
 
     The packed copy adds the weight's size in memory (the plain weight stays for other users); a
     layer GEMM on our AMX GEMM (:attr:`Linear.amx`) has that one instead of oneDNN's.
@@ -346,7 +347,7 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, *, per_s
     if picked_rows:
         rows_max = None
     else:  # bf16 prompts keep oneDNN's bits
-        rows_max = native.LINEAR_ROWS_MAX if weight.dtype == torch.float32 else 0
+        rows_max = native.LINEAR_PROMPT_ROWS_F32 if weight.dtype == torch.float32 else 0
     native_ok = native.linear_rows_available(weight)
     rows = rows_max != 0 and native_ok
     decode = per_step and not picked_rows and native_ok

@@ -336,8 +336,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 LINEAR_ROWS_MAX = 16
-"""Most rows :func:`linear_rows` is used for: beyond, the GEMM is compute-bound and oneDNN's blocked
-kernel is faster (measured on a 2-core AMD EPYC, AVX2, SmolLM2-135M's shapes)."""
+"""Most rows of a whole-step decode (:func:`decode_step`) and of one :func:`linear_rows` call for
+rows picked out of a step (the LM head's) or a bf16 step's generated tokens."""
+
+LINEAR_PROMPT_ROWS_F32 = 64
+"""Most rows of a float32 layer GEMM that :func:`linear_rows` runs (in one call); beyond, oneDNN's
+prepacked GEMM is faster. SmolLM2-135M's 120 layer GEMMs, every layer its own weights (from memory),
+against oneDNN's packed GEMM, 2-core AMD EPYC Zen 3, AVX2, 2 threads (2026-11-29 19:50 UTC, medians
+of 7 alternating rounds, ``benchmarks/prompt_rows_gemm.py``): 0.62 / 0.71 / 0.80 / 0.80 / 0.91x the
+time at 16 / 24 / 32 / 48 / 64 rows, 0.98x at 96, 1.07x at 128 (until then the bound was 16, set
+before the kernel's prefetch was shared over its tiles). A cache hit's question over cached
+documents (tens of new rows) is such a call."""
 
 
 _LINEAR_K_MULTIPLE = {torch.float32: 8, torch.bfloat16: 32}  # input sizes each few-row linear kernel tiles
