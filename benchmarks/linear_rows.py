@@ -39,6 +39,13 @@ SHAPES = ((960, 576, True), (576, 576, False), (3072, 576, False), (576, 1536, F
 ROWS = (1, 2, 4, 8, 16)
 
 
+def layer_weights(gen: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """``(weight, bias or None)`` of every layer GEMM of SmolLM2-135M's shapes, each layer its own random
+    float32 weights (425 MB in all), in the model's order."""
+    return [(torch.randn(n, k, generator=gen) * k ** -0.5, torch.randn(n, generator=gen) if bias else None)
+            for _ in range(LAYERS) for n, k, bias in SHAPES]
+
+
 def build(rev: str | None, out: Path) -> ctypes.CDLL:
     """``kernels_f32.c`` of ``rev`` (None: the working tree) compiled into ``out``, ``rc32_linear_rows`` bound."""
     lib = build_attention(rev, out)
@@ -68,8 +75,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
-    weights = [(torch.randn(n, k, generator=gen) * k ** -0.5, torch.randn(n, generator=gen) if bias else None)
-               for _ in range(LAYERS) for n, k, bias in SHAPES]
+    weights = layer_weights(gen)
     weight_bytes = sum(w.numel() * 4 for w, _ in weights)
     x = {k: torch.randn(max(ROWS), k, generator=gen) for k in {k for _, k, _ in SHAPES}}
     times = {m: {"base": [], "new": []} for m in ROWS}

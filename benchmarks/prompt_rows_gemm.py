@@ -28,12 +28,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from forward_vs_vllm import machine  # noqa: E402
+from linear_rows import LAYERS, SHAPES, layer_weights  # noqa: E402
 
 from ragcache_backend.model.kernels import native  # noqa: E402
 from ragcache_backend.model.kernels.linear import pack_linear  # noqa: E402
-
-LAYERS = 30
-SHAPES = ((960, 576, True), (576, 576, False), (3072, 576, False), (576, 1536, False))  # (N, K, bias) per layer
 
 
 def main() -> None:
@@ -46,12 +44,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
     g = torch.Generator().manual_seed(0)
-    layers = []
-    for _ in range(LAYERS):
-        for n, k, bias in SHAPES:
-            w = torch.randn(n, k, generator=g) * k**-0.5
-            b = torch.randn(n, generator=g) * 0.1 if bias else None
-            layers.append((w, b, pack_linear(w, b)))
+    layers = [(w, b, pack_linear(w, b)) for w, b in layer_weights(g)]
     if not all(lin.packed is not None for _, _, lin in layers) or not native.linear_rows_available(layers[0][0]):
         raise SystemExit("needs oneDNN packing and the float32 native kernels on this CPU")
     xs = {k: torch.randn(max(rows), k, generator=g) for k in {k for _, k, _ in SHAPES}}

@@ -68,6 +68,13 @@ class ForwardInput:
     focus: FocusSelection | None = None
     guard_segments: tuple[int, ...] | None = None
 
+    @property
+    def chunk_rows(self) -> bool:
+        """Whether the sequence needs the chunk-cache row bookkeeping (:class:`ChunkRows`): explicit
+        positions, attention statistics, the guard, or rows that stop part-way (blend, focus)."""
+        return (self.positions is not None or self.stat_segments is not None or self.guard or self.blend is not None
+                or self.focus is not None or self.guard_segments is not None)
+
 
 @dataclass(slots=True, frozen=True)
 class SegmentAttention:

@@ -228,8 +228,7 @@ class ModelRunner:
                 st.cached_slots.append(cached if cached.numel() else None)
                 st.modes.append(attention_plan(start, n, self.dtype, self.device, decode=decode[idx]))
                 st.context.append(ctx)
-            if (explicit or item.stat_segments is not None or item.guard or item.blend or item.focus
-                    or item.guard_segments is not None):
+            if item.chunk_rows:
                 blend = item.blend
                 if blend is not None and blend.layer > self.num_layers - 2:  # rows must stop before the last layer
                     blend = dataclasses.replace(blend, layer=max(0, self.num_layers - 2))
@@ -283,9 +282,7 @@ class ModelRunner:
         if item.decode:
             return True
         return (len(item.new_tokens) == 1 and self.dtype == torch.float32 and self.layers.native_fused
-                and sum(run.length for run in item.cached) > 0 and item.positions is None
-                and item.stat_segments is None and not item.guard and item.blend is None and item.focus is None
-                and item.guard_segments is None)
+                and sum(run.length for run in item.cached) > 0 and not item.chunk_rows)
 
     # ---- profiling -------------------------------------------------------------------------------
     def time_prefill(self, cached: int, new: int) -> float:
