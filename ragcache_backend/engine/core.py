@@ -284,7 +284,15 @@ class EngineCore:
     def _prefills(self, chunks: Sequence[PrefillChunk]) -> list[StepPrefill]:
         """The step's prefill chunks: new requests admitted (in the scheduler's order, stopping at
         the first that gets no room now), each sized to what its prompt still needs (a prefill
-        that cannot be chunked computes all of it)."""
+        that cannot be chunked computes all of it).
+
+        In the step's rows, chunks of more than one token come first and one-token chunks after
+        them (each group in the scheduler's order), then the decodes: in float32 on the native path
+        the runner runs a one-token chunk over a cached context (a full cache hit's last token) as a
+        generated token's row, and a step whose prompt rows are its first rows gives every layer
+        GEMM a slice of them instead of a gather and a scatter
+        (:class:`~ragcache_backend.model.kernels.linear.StepRowClasses`). Admission keeps the
+        scheduler's order; only the rows are reordered."""
         out: list[StepPrefill] = []
         for chunk in chunks:
             req = self._live[chunk.rid]
@@ -295,7 +303,7 @@ class EngineCore:
             left = batch.prefill_tokens(req.plan, req.lease) - req.prefilled
             n = min(chunk.tokens, left) if req.chunked_prefill else left
             out.append(StepPrefill(req, req.prefilled, n, n == left))
-        return out
+        return sorted(out, key=lambda p: p.tokens == 1)  # stable: multi-token chunks, then one-token ones
 
     def _persist(self) -> None:
         """Hand the nodes this step inserted to the disk tier (after the step's tokens went out)."""

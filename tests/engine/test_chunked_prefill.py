@@ -348,3 +348,41 @@ def test_two_requests_retrieving_the_same_new_documents_at_once_compute_them_onc
     with pytest.raises(RequestCancelledError):
         c.result(timeout=20)
     _idle_at_baseline(engine)
+
+
+def test_a_full_hits_one_token_row_comes_after_the_steps_multi_token_chunks(make, monkeypatch):
+    engine, plain = make(), make()
+    engine.stop_ids = frozenset()  # C ends by length only: the loop keeps stepping
+    hit_docs, new_docs, q2 = DOCS[:3], DOCS[4:7], "Which of them reads files?"
+    ref_hit = plain.generate(Q, hit_docs, GREEDY, use_cache=False)
+    ref_new = plain.generate(q2, new_docs, GREEDY, use_cache=False)
+    assert engine.generate(Q, hit_docs, GREEDY).token_ids == ref_hit.token_ids  # now cached whole
+    gate, parked = threading.Event(), threading.Event()
+    gate.set()
+
+    def before(_inputs):
+        parked.set()
+        assert gate.wait(30)
+
+    steps = Steps(engine, monkeypatch, before=before)
+    c = engine.submit("Short?", DOCS[:1], SamplingParams(max_tokens=400))
+    while c.metrics.generated_tokens < 2:
+        time.sleep(0.001)
+    gate.clear()
+    parked.clear()
+    assert parked.wait(30)  # the loop waits inside a step: both requests reach the same admission
+    n0 = len(steps.prompt_rows)
+    hit, new = engine.submit(Q, hit_docs, GREEDY), engine.submit(q2, new_docs, GREEDY)  # the hit first
+    gate.set()
+    rh, rn = hit.result(timeout=60), new.result(timeout=60)
+    c.cancel()
+    assert rh.cached_tokens == rh.prompt_tokens - 1 and rn.prompt_tokens - rn.cached_tokens > 1
+    # admitted in one step, the hit's one row after the other prefill's rows, then C's decode row
+    step = next(i for i in range(n0, len(steps.prompt_rows)) if 1 in steps.prompt_rows[i])
+    assert steps.prompt_rows[step] == (rn.prompt_tokens - rn.cached_tokens, 1) and steps.decode_rows[step] == 1
+    for rows in steps.prompt_rows:
+        assert list(rows) == sorted(rows, key=lambda n: n == 1)  # no one-token chunk before a longer one
+    assert rh.token_ids == ref_hit.token_ids and rn.token_ids == ref_new.token_ids
+    with pytest.raises(RequestCancelledError):
+        c.result(timeout=20)
+    _idle_at_baseline(engine)
