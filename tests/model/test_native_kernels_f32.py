@@ -340,6 +340,42 @@ def test_linear_layers_take_the_rows_kernel_for_few_rows_only():
     assert not native.linear_rows_available(torch.randn(96, 0))  # no inputs: nothing to tile
 
 
+def test_a_mixed_steps_layer_gemm_reads_its_weight_once_where_its_prompt_rows_come_first(monkeypatch):
+    """A step's generated tokens' rows keep the few-row kernel's bits in any company; with the prompt
+    rows first, up to 64 of them join up to 16 such rows in one kernel call (the same bits as apart), and more
+    run in one oneDNN GEMM over every row whose generated tokens' rows are then overwritten."""
+    from ragcache_backend.model.kernels.linear import StepRowClasses, pack_linear, step_rows
+
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(96, 64, generator=g), torch.randn(108, 64, generator=g)
+    lin = pack_linear(w)
+    assert lin.rows_kernel and lin.decode_rows
+    calls: list[int] = []
+    real = native.linear_rows
+    monkeypatch.setattr(native, "linear_rows", lambda a, *args: calls.append(a.shape[0]) or real(a, *args))
+    for prompt in (0, 1, 40, 60, 64, 100):
+        rows = x[: prompt + 8]
+        calls.clear()
+        with step_rows(StepRowClasses.of([prompt] * bool(prompt) + [1] * 8, [False] * bool(prompt) + [True] * 8)):
+            mixed = lin(rows)
+        assert torch.equal(mixed[prompt:], real(rows[prompt:], w))  # generated tokens: the kernel's bits
+        if prompt <= 64:  # one pass over the weight for every row (up to 64 + 16 rows a call)
+            assert calls == [prompt + 8] and (not prompt or torch.equal(mixed[:prompt], real(rows[:prompt], w)))
+        else:  # oneDNN over every row (float32: not the bits of a 100-row call), then the 8 rows
+            assert calls == [8]
+            if lin.packed is not None:
+                assert torch.equal(mixed[:prompt], lin.gemm(rows)[:prompt])
+            assert (mixed[:prompt] - F.linear(rows[:prompt], w)).abs().max().item() < 1e-5
+    calls.clear()
+    with step_rows(StepRowClasses.of([60] + [1] * 30, [False] + [True] * 30)):  # more than 16 such rows: 64-row calls
+        wide = lin(x[:90])
+    assert calls == [64, 26] and torch.equal(wide, real(x[:90], w))
+    calls.clear()
+    with step_rows(StepRowClasses.of([1] * 8 + [100], [True] * 8 + [False])):  # prompt rows not first
+        apart = lin(torch.cat((x[100:108], x[:100])))
+    assert calls == [8] and torch.equal(apart[:8], real(x[100:108], w))
+
+
 def test_bad_arguments_raise_a_typed_error():
     kc, vc = _arena(64, 3, 64, seed=0)
     q = torch.randn(4, 9, 64)

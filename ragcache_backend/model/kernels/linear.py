@@ -193,8 +193,32 @@ class Linear:
         return classes is None or classes.rows == x.shape[0]
 
     def _decode_apart(self, x: torch.Tensor, classes: StepRowClasses) -> torch.Tensor:
-        """Generated tokens' rows on the native few-row kernel, prompt rows as without classes."""
-        return self._split_by_class(x, classes, self._prompt_parts, self._native)
+        """Generated tokens' rows on the native few-row kernel, prompt rows as without classes.
+
+        Where the prompt rows are the step's first ``P`` rows and no AMX tiling applies, no row
+        is moved: when the ``P`` prompt rows would take the native kernel too, every row runs in
+        it (with up to :data:`~ragcache_backend.model.kernels.native.LINEAR_ROWS_MAX` generated
+        tokens' rows in one call: one pass over the weight instead of two; each row's bits its own
+        whatever the call, so the same bits);
+        otherwise oneDNN's GEMM runs over all ``N`` rows and the generated tokens' rows are then
+        overwritten with the native kernel's (the prompt rows' outputs are not copied into a new
+        tensor: a 2,048-row step's layer GEMMs write ~40 MB a layer; oneDNN's extra ``N - P`` rows
+        cost ``(N - P) / N`` of its time). A prompt row's bits may then differ from a ``P``-row call
+        in float32 (never bit-exact across chunkings); in bf16 oneDNN's rows are the same for any
+        ``N`` (see the class)."""
+        p = classes.split
+        if p is None or (_AMX and x.dtype in _REDUCED and x.device.type == "cpu"):
+            return self._split_by_class(x, classes, self._prompt_parts, self._native)
+        if p == 0 or self._native_takes(p, x.dtype):  # with up to 16 generated tokens' rows: one call
+            one_call = x.shape[0] <= (self.rows_max or 0) + native.LINEAR_ROWS_MAX
+            return native.linear_rows(x, self.weight, self.bias) if one_call else self._native(x)
+        out = self._rows_alike(x)
+        out[p:] = self._native(x[p:])
+        return out
+
+    def _native_takes(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether a call of ``rows`` rows of ``dtype`` with no row told apart takes the native kernel."""
+        return self.rows_kernel and (self.rows_max is None or rows <= self.rows_max) and dtype == self.weight.dtype
 
     @staticmethod
     def _split_by_class(x: torch.Tensor, classes: StepRowClasses, prompt_parts, decode_fn) -> torch.Tensor:
@@ -228,7 +252,7 @@ class Linear:
 
     def _rows_alike(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` with no row told apart from the others."""
-        if self.rows_kernel and (self.rows_max is None or x.shape[0] <= self.rows_max) and x.dtype == self.weight.dtype:
+        if self._native_takes(x.shape[0], x.dtype):
             return self._native(x)  # few rows: bound by reading the weight
         if _AMX and x.dtype in _REDUCED and x.device.type == "cpu":
             return self._by_class(x)
