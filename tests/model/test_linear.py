@@ -84,6 +84,9 @@ def test_rows_round_the_same_whatever_step_they_share():
     assert torch.equal(mixed[:60], lin(prompt)) and torch.equal(mixed[59:60], lin(prompt[-1:]))
     assert torch.equal(mixed[60:], decode_only)
     assert torch.equal(reordered[:10], decode_only) and torch.equal(reordered[10:], mixed[:60])
+    with step_rows(StepRowClasses.of([1] * 11, [False] + [True] * 10)):  # one prompt row (a hit's) beside decodes
+        lone = lin(torch.cat((prompt[-1:], decode)))
+    assert torch.equal(lone[:1], lin(prompt[-1:])) and torch.equal(lone[1:], decode_only)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -342,7 +342,8 @@ def test_linear_layers_take_the_rows_kernel_for_few_rows_only():
 
 def test_a_mixed_steps_layer_gemm_reads_its_weight_once_where_its_prompt_rows_come_first(monkeypatch):
     """A step's generated tokens' rows keep the few-row kernel's bits in any company; with the prompt
-    rows first, up to 64 of them join up to 16 such rows in one kernel call (the same bits as apart), and more
+    rows first, up to 64 of them share one kernel call with such rows (up to 80 rows in all; the same bits
+    as apart), and more
     run in one oneDNN GEMM over every row whose generated tokens' rows are then overwritten."""
     from ragcache_backend.model.kernels.linear import StepRowClasses, pack_linear, step_rows
 
@@ -361,7 +362,7 @@ def test_a_mixed_steps_layer_gemm_reads_its_weight_once_where_its_prompt_rows_co
         assert torch.equal(mixed[prompt:], real(rows[prompt:], w))  # generated tokens: the kernel's bits
         if prompt <= 64:  # one pass over the weight for every row (up to 64 + 16 rows a call)
             assert calls == [prompt + 8] and (not prompt or torch.equal(mixed[:prompt], real(rows[:prompt], w)))
-        else:  # oneDNN over every row (float32: not the bits of a 100-row call), then the 8 rows
+        else:  # one oneDNN call over all 108 rows, then the 8 generated tokens' rows overwritten
             assert calls == [8]
             if lin.packed is not None:
                 assert torch.equal(mixed[:prompt], lin.gemm(rows)[:prompt])

@@ -136,7 +136,9 @@ class Linear:
             rows picked out of a step (the LM head's), which on AMX CPUs always run as small calls.
         rows_kernel: calls of at most ``rows_max`` rows take the native kernel that reads the weight
             once for all rows (:func:`~ragcache_backend.model.kernels.native.linear_rows`, in calls of
-            at most ``max(rows_max, LINEAR_ROWS_MAX)`` rows).
+            at most ``max(rows_max, LINEAR_ROWS_MAX)`` rows; a mixed step's prompt rows, when they
+            take it, share one call with its generated tokens' rows up to ``rows_max + LINEAR_ROWS_MAX``
+            rows in all: :meth:`_decode_apart`).
         rows_max: most rows of a call that takes the native kernel; None: any number (see :func:`pack_linear`).
         tail_tile: rows of the last, padded tiled call when no more are left (:data:`TAIL_TILE` where
             checked to give :data:`ROW_TILE` calls' bits, else :data:`ROW_TILE`).
@@ -196,10 +198,10 @@ class Linear:
         """Generated tokens' rows on the native few-row kernel, prompt rows as without classes.
 
         Where the prompt rows are the step's first ``P`` rows and no AMX tiling applies, no row
-        is moved: when the ``P`` prompt rows would take the native kernel too, every row runs in
-        it (with up to :data:`~ragcache_backend.model.kernels.native.LINEAR_ROWS_MAX` generated
-        tokens' rows in one call: one pass over the weight instead of two; each row's bits its own
-        whatever the call, so the same bits);
+        is moved: when the ``P`` prompt rows would take the native kernel too (float32, ``P`` up to
+        ``rows_max``), every row runs in it (in one call up to ``rows_max +``
+        :data:`~ragcache_backend.model.kernels.native.LINEAR_ROWS_MAX` rows in all: one pass over
+        the weight instead of two; each row's bits its own whatever the call, so the same bits);
         otherwise oneDNN's GEMM runs over all ``N`` rows and the generated tokens' rows are then
         overwritten with the native kernel's (the prompt rows' outputs are not copied into a new
         tensor: a 2,048-row step's layer GEMMs write ~40 MB a layer; oneDNN's extra ``N - P`` rows
@@ -209,7 +211,7 @@ class Linear:
         p = classes.split
         if p is None or (_AMX and x.dtype in _REDUCED and x.device.type == "cpu"):
             return self._split_by_class(x, classes, self._prompt_parts, self._native)
-        if p == 0 or self._native_takes(p, x.dtype):  # with up to 16 generated tokens' rows: one call
+        if p == 0 or self._native_takes(p, x.dtype):  # one call up to rows_max + 16 rows in all
             one_call = x.shape[0] <= (self.rows_max or 0) + native.LINEAR_ROWS_MAX
             return native.linear_rows(x, self.weight, self.bias) if one_call else self._native(x)
         out = self._rows_alike(x)

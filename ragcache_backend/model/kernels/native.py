@@ -340,7 +340,8 @@ LINEAR_ROWS_MAX = 16
 rows picked out of a step (the LM head's) or a bf16 step's generated tokens."""
 
 LINEAR_PROMPT_ROWS_F32 = 64
-"""Most rows of a float32 layer GEMM that :func:`linear_rows` runs (in one call); beyond, oneDNN's
+"""Most rows of a float32 layer GEMM that :func:`linear_rows` runs (in one call; in a mixed step with
+up to :data:`LINEAR_ROWS_MAX` generated tokens' rows in the same call); beyond, oneDNN's
 prepacked GEMM is faster. SmolLM2-135M's 120 layer GEMMs, every layer its own weights (from memory),
 against oneDNN's packed GEMM, 2-core AMD EPYC Zen 3, AVX2, 2 threads (2026-11-29 19:50 UTC, medians
 of 7 alternating rounds, ``benchmarks/prompt_rows_gemm.py``): 0.62 / 0.71 / 0.80 / 0.80 / 0.91x the
