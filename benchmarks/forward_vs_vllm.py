@@ -80,7 +80,9 @@ class Ours:
         self.engine, self.runner, self.first_token = engine, engine.runner, None
 
     @contextlib.contextmanager
-    def _blocks(self, *tokens: int):
+    def blocks(self, *tokens: int):
+        """Arena blocks for sequences of ``tokens`` tokens each (one tuple of block ids per sequence),
+        taken from the engine's allocator for the block and freed after it (no request may run)."""
         got = [tuple(self.engine.cache.allocate(-(-n // self.runner.block_size))) for n in tokens]
         try:
             yield got
@@ -97,16 +99,16 @@ class Ours:
     def cold(self, cmd: dict) -> float:
         ids = cmd["ids"]
         if cmd.get("warm_ids"):  # untimed, as the other measurements' first passes
-            with self._blocks(len(cmd["warm_ids"])) as (b,):
+            with self.blocks(len(cmd["warm_ids"])) as (b,):
                 self._step([(cmd["warm_ids"], (), (KVRun(b, 0, len(cmd["warm_ids"])),))])
-        with self._blocks(len(ids)) as (b,):
+        with self.blocks(len(ids)) as (b,):
             t = time.perf_counter()
             self.first_token = self._step([(ids, (), (KVRun(b, 0, len(ids)),))])[0]
             return time.perf_counter() - t
 
     def extend(self, cmd: dict) -> float:
         prefix, new, n = cmd["prefix"], cmd["new"], len(cmd["prefix"])
-        with self._blocks(n + len(new)) as (b,):
+        with self.blocks(n + len(new)) as (b,):
             self._step([(prefix, (), (KVRun(b, 0, n),))])
             t = time.perf_counter()
             self._step([(new, (KVRun(b, 0, n),), (KVRun(b, n, len(new)),))])
@@ -114,7 +116,7 @@ class Ours:
 
     def decode(self, cmd: dict) -> float:
         prompts, steps = cmd["prompts"], cmd["steps"]
-        with self._blocks(*(len(p) + steps for p in prompts)) as blocks:
+        with self.blocks(*(len(p) + steps for p in prompts)) as blocks:
             toks = [self._step([(p, (), (KVRun(b, 0, len(p)),))])[0] for p, b in zip(prompts, blocks)]
             t = time.perf_counter()
             for s in range(steps):

@@ -312,12 +312,11 @@ def test_real_model_chunked_prefill_equals_whole(real_model, fixed_profile):
 
 
 # ---- a burst sharing a new document ----------------------------------------------------------------------
-def test_two_requests_retrieving_the_same_new_documents_at_once_compute_them_once(make, monkeypatch):
-    engine, plain = make(), make()
-    engine.stop_ids = frozenset()  # C ends by length only: the loop keeps stepping
-    docs, q2 = DOCS[2:5], "Which of them reads files?"
-    ref_a = plain.generate(Q, docs, GREEDY, use_cache=False)
-    ref_b = plain.generate(q2, docs, GREEDY, use_cache=False)
+def _admitted_together(engine: RAGCacheEngine, monkeypatch, *requests):
+    """Greedy ``requests`` ((question, documents) pairs, submitted in that order) while the loop waits
+    inside a step of a running request C ("Short?", 400 tokens; the engine's stop ids must be empty so
+    it ends by length only): all of them reach the same admission. Returns the step recorder, its step
+    count before them, C's handle (cancelled once they finished) and their results."""
     gate, parked = threading.Event(), threading.Event()
     gate.set()
 
@@ -326,17 +325,27 @@ def test_two_requests_retrieving_the_same_new_documents_at_once_compute_them_onc
         assert gate.wait(30)
 
     steps = Steps(engine, monkeypatch, before=before)
-    c = engine.submit("Short?", DOCS[:1], SamplingParams(max_tokens=400))  # caches the system prompt
+    c = engine.submit("Short?", DOCS[:1], SamplingParams(max_tokens=400))
     while c.metrics.generated_tokens < 2:
         time.sleep(0.001)
     gate.clear()
     parked.clear()
-    assert parked.wait(30)  # the loop waits inside a step: both requests reach the same admission
+    assert parked.wait(30)  # the loop waits inside a step
     n0 = len(steps.prompt_rows)
-    a, b = engine.submit(Q, docs, GREEDY), engine.submit(q2, docs, GREEDY)
+    handles = [engine.submit(q, docs, GREEDY) for q, docs in requests]
     gate.set()
-    ra, rb = a.result(timeout=60), b.result(timeout=60)
+    results = [h.result(timeout=60) for h in handles]
     c.cancel()
+    return steps, n0, c, results
+
+
+def test_two_requests_retrieving_the_same_new_documents_at_once_compute_them_once(make, monkeypatch):
+    engine, plain = make(), make()
+    engine.stop_ids = frozenset()  # C ends by length only: the loop keeps stepping
+    docs, q2 = DOCS[2:5], "Which of them reads files?"
+    ref_a = plain.generate(Q, docs, GREEDY, use_cache=False)
+    ref_b = plain.generate(q2, docs, GREEDY, use_cache=False)
+    steps, n0, c, (ra, rb) = _admitted_together(engine, monkeypatch, (Q, docs), (q2, docs))  # C caches the system prompt
     _, lead = _lead(engine, Q, docs)
     prefix = sum(len(s) for s in lead if s.kind is SegmentKind.PREFIX)  # the system prompt: cached by C
     documents = sum(len(s) for s in lead if s.kind is SegmentKind.DOCUMENT)
@@ -357,25 +366,7 @@ def test_a_full_hits_one_token_row_comes_after_the_steps_multi_token_chunks(make
     ref_hit = plain.generate(Q, hit_docs, GREEDY, use_cache=False)
     ref_new = plain.generate(q2, new_docs, GREEDY, use_cache=False)
     assert engine.generate(Q, hit_docs, GREEDY).token_ids == ref_hit.token_ids  # now cached whole
-    gate, parked = threading.Event(), threading.Event()
-    gate.set()
-
-    def before(_inputs):
-        parked.set()
-        assert gate.wait(30)
-
-    steps = Steps(engine, monkeypatch, before=before)
-    c = engine.submit("Short?", DOCS[:1], SamplingParams(max_tokens=400))
-    while c.metrics.generated_tokens < 2:
-        time.sleep(0.001)
-    gate.clear()
-    parked.clear()
-    assert parked.wait(30)  # the loop waits inside a step: both requests reach the same admission
-    n0 = len(steps.prompt_rows)
-    hit, new = engine.submit(Q, hit_docs, GREEDY), engine.submit(q2, new_docs, GREEDY)  # the hit first
-    gate.set()
-    rh, rn = hit.result(timeout=60), new.result(timeout=60)
-    c.cancel()
+    steps, n0, c, (rh, rn) = _admitted_together(engine, monkeypatch, (Q, hit_docs), (q2, new_docs))  # the hit first
     assert rh.cached_tokens == rh.prompt_tokens - 1 and rn.prompt_tokens - rn.cached_tokens > 1
     # admitted in one step, the hit's one row after the other prefill's rows, then C's decode row
     step = next(i for i in range(n0, len(steps.prompt_rows)) if 1 in steps.prompt_rows[i])

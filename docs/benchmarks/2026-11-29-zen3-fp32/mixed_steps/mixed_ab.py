@@ -19,7 +19,7 @@ rng = random.Random(0); V = r.layers.vocab_size
 ids = lambda n: tuple(rng.randrange(V) for _ in range(n))
 cases = {"30 over 1,024 + 7 decodes": (30, 7), "60 over 1,024 + 7 decodes": (60, 7), "1,000 over 1,024 + 2 decodes": (1000, 2), "2,000 over 1,024 + 2 decodes": (2000, 2)}
 for name, (n, d) in cases.items():
-    with ours._blocks(1024 + n, *([1025] * d)) as blocks:
+    with ours.blocks(1024 + n, *([1025] * d)) as blocks:
         cb, db = blocks[0], blocks[1:]
         r.forward([ForwardInput(ids(1024), (), (KVRun(cb, 0, 1024),))])
         for b in db:

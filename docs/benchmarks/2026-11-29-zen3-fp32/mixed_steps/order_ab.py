@@ -11,7 +11,7 @@ engine = RAGCacheEngine(EngineConfig(dtype="float32"))
 ours, r = Ours(engine), engine.runner
 rng = random.Random(0); V = r.layers.vocab_size
 ids = lambda n: tuple(rng.randrange(V) for _ in range(n))
-with ours._blocks(301, 800, *([801] * 6)) as blocks:
+with ours.blocks(301, 800, *([801] * 6)) as blocks:
     hb, cb, db = blocks[0], blocks[1], blocks[2:]
     r.forward([ForwardInput(ids(300), (), (KVRun(hb, 0, 300),))])
     r.forward([ForwardInput(ids(300), (), (KVRun(cb, 0, 300),))])
